@@ -1,0 +1,16 @@
+"""collectives: data-parallel communication built from primitives, in the open.
+
+    import collectives
+    comm = collectives.init(backend="gloo")        # gloo | nccl | mpi | auto
+    collectives.all_reduce(tensor, op="sum", algorithm="ring")
+
+Layers, each calling only the one below:
+    trainer -> sync strategy -> bucketer -> collective algorithm -> transport
+"""
+from .api import all_gather, all_reduce, broadcast, reduce_scatter
+from .bootstrap import BACKENDS, destroy, get_comm, init, set_comm
+from .launch import LaunchError, LaunchInfo, detect_launch
+from .transport import PeerError, Transport
+
+__all__ = ["all_reduce", "broadcast", "reduce_scatter", "all_gather", "init", "get_comm", "set_comm", "destroy", "BACKENDS", "LaunchError",
+           "LaunchInfo", "detect_launch", "PeerError", "Transport"]

@@ -1,0 +1,42 @@
+r"""The teaching baseline: gather everything to one rank, reduce there, send it back.
+
+    step 1: ranks 1..n-1 each send the whole buffer to rank 0
+    step 2: rank 0 reduces them, in rank order
+    step 3: rank 0 sends the result to ranks 1..n-1
+
+Cost with K bytes (alpha, beta, gamma as in ring.py), counting rank 0's link, which
+carries everything:
+
+    all-reduce:  2 (n-1) (alpha + K beta) + (n-1) K gamma
+
+Rank 0 moves 2(n-1)K bytes while the ring moves 2(n-1)/n K per rank: this is why the
+other algorithms exist. Broadcast is the same idea: the root sends to each rank in turn.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..transport import Transport
+from .common import reduce_into
+
+
+def broadcast(comm: Transport, flat: torch.Tensor, root: int) -> None:
+    if comm.rank == root:
+        sends = [comm.isend(flat, peer) for peer in range(comm.world_size) if peer != root]
+        for send in sends:
+            send.wait()
+    else:
+        comm.recv(flat, root)
+
+
+def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
+    if comm.world_size == 1 or flat.numel() == 0:
+        return
+    if comm.rank == 0:
+        incoming = torch.empty_like(flat)
+        for peer in range(1, comm.world_size):
+            comm.recv(incoming, peer)
+            reduce_into(flat, incoming, op)
+    else:
+        comm.send(flat, 0)
+    broadcast(comm, flat, root=0)

@@ -1,0 +1,137 @@
+r"""Ring reduce-scatter, ring all-gather, and ring all-reduce made of the two.
+
+Ranks stand in a ring; each only ever sends to its right and receives from its left:
+
+        +--> 0 --> 1 --+
+        |              |          send_to   = (rank + 1) % n
+        +--- 3 <-- 2 <-+          recv_from = (rank - 1) % n
+
+The buffer is cut into n chunks (sizes differ by at most one element; some may be
+empty when the buffer is smaller than the world). With n = 4, rank r at step s:
+
+    reduce-scatter: send chunk r-s-1, receive chunk r-s-2 and reduce it into ours
+        step 0: rank 0 sends c3 / adds c2   rank 1 sends c0 / adds c3   ...
+        after n-1 steps rank r holds chunk r fully reduced.
+    all-gather:     send chunk r-s,   receive chunk r-s-1 and store it
+        after n-1 more steps every rank holds every reduced chunk.
+
+    chunk:    c0        c1        c2        c3
+    owner:    rank 0    rank 1    rank 2    rank 3     (after reduce-scatter)
+
+Unlike the textbook version that passes the whole buffer around the ring (n-1 full
+transfers), this one is chunked and bandwidth-optimal: each rank sends
+2(n-1)/n of the buffer in all. With K bytes, latency alpha per message, beta seconds
+per byte and gamma seconds per reduced byte:
+
+    reduce-scatter or all-gather:   (n-1) alpha + (n-1)/n K beta  (+ (n-1)/n K gamma)
+    all-reduce:                    2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma
+
+Pipelining: every chunk is cut into segments. A segment is forwarded to the right
+as soon as it has been reduced, and the next step's receives are posted before this
+step's are reduced, so reducing one segment overlaps moving the next. Receives land
+in two scratch buffers used on alternate steps, so an early receive never overwrites
+data still waiting to be reduced.
+
+Every chunk's final value is computed on one rank and copied to the rest, so all ranks
+end bitwise identical.
+"""
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+
+from ..transport import Transport
+from .common import chunk_bounds, reduce_into, segments
+
+SEGMENT_BYTES = 1 << 20  # measured with `python -m collectives.bench` (see docs/benchmarks.md)
+
+
+def _segment_elems(flat: torch.Tensor, segment_bytes: Optional[int]) -> int:
+    return max(1, (segment_bytes or SEGMENT_BYTES) // flat.element_size())
+
+
+def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
+                   bounds: Optional[List[int]] = None,
+                   segment_bytes: Optional[int] = None) -> None:
+    """Reduce over ranks so that rank r ends with chunk r of `flat` fully reduced.
+
+    `bounds` are the chunk offsets (default: n nearly equal chunks). Other chunks of
+    `flat` are left holding partial results.
+    """
+    n, rank = comm.world_size, comm.rank
+    if n == 1:
+        return
+    bounds = bounds or chunk_bounds(flat.numel(), n)
+    send_to, recv_from = (rank + 1) % n, (rank - 1) % n
+    seg = _segment_elems(flat, segment_bytes)
+
+    def pieces(step: int):  # the segments of the chunk this rank receives at `step`
+        chunk = (rank - step - 2) % n
+        return segments(bounds[chunk], bounds[chunk + 1], seg)
+
+    largest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    scratch = [flat.new_empty(largest), flat.new_empty(largest)]  # alternate steps
+
+    def post_receives(step: int):
+        base = bounds[(rank - step - 2) % n]
+        buffer = scratch[step % 2]
+        return [comm.irecv(buffer[lo - base:hi - base], recv_from) for lo, hi in pieces(step)]
+
+    first = (rank - 1) % n
+    sends = [comm.isend(flat[lo:hi], send_to)
+             for lo, hi in segments(bounds[first], bounds[first + 1], seg)]
+    receives = post_receives(0)
+    for step in range(n - 1):
+        last = step == n - 2
+        next_receives = [] if last else post_receives(step + 1)  # land in the other scratch
+        base = bounds[(rank - step - 2) % n]
+        buffer = scratch[step % 2]
+        for (lo, hi), receive in zip(pieces(step), receives):
+            receive.wait()
+            reduce_into(flat[lo:hi], buffer[lo - base:hi - base], op)
+            if not last:  # this reduced segment is what we send at the next step
+                sends.append(comm.isend(flat[lo:hi], send_to))
+        receives = next_receives
+    for send in sends:
+        send.wait()
+
+
+def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] = None,
+               segment_bytes: Optional[int] = None) -> None:
+    """Given rank r holding chunk r of `flat`, leave every rank holding every chunk."""
+    n, rank = comm.world_size, comm.rank
+    if n == 1:
+        return
+    bounds = bounds or chunk_bounds(flat.numel(), n)
+    send_to, recv_from = (rank + 1) % n, (rank - 1) % n
+    seg = _segment_elems(flat, segment_bytes)
+
+    def pieces(step: int):  # the segments of the chunk this rank receives at `step`
+        chunk = (rank - step - 1) % n
+        return segments(bounds[chunk], bounds[chunk + 1], seg)
+
+    sends = [comm.isend(flat[lo:hi], send_to)
+             for lo, hi in segments(bounds[rank], bounds[rank + 1], seg)]
+    def post_receives(step: int):
+        return [comm.irecv(flat[lo:hi], recv_from) for lo, hi in pieces(step)]
+
+    receives = post_receives(0)
+    for step in range(n - 1):
+        last = step == n - 2
+        next_receives = [] if last else post_receives(step + 1)
+        for (lo, hi), receive in zip(pieces(step), receives):
+            receive.wait()
+            if not last:  # forward what just arrived: it is the next step's send
+                sends.append(comm.isend(flat[lo:hi], send_to))
+        receives = next_receives
+    for send in sends:
+        send.wait()
+
+
+def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
+               segment_bytes: Optional[int] = None) -> None:
+    """Ring all-reduce in place: reduce-scatter, then all-gather."""
+    bounds = chunk_bounds(flat.numel(), comm.world_size)
+    reduce_scatter(comm, flat, op, bounds, segment_bytes)
+    all_gather(comm, flat, bounds, segment_bytes)

@@ -1,0 +1,76 @@
+r"""Binomial-tree broadcast and reduce, and tree all-reduce (reduce, then broadcast).
+
+Ranks are renumbered relative to the root (v = (rank - root) mod n). In a binomial
+tree, v receives from v - mask where mask is v's lowest set bit, and sends to
+v + mask for every smaller power of two. Broadcast, n = 8, root 0:
+
+    step 1:  0 -> 4
+    step 2:  0 -> 2          4 -> 6
+    step 3:  0 -> 1   2 -> 3   4 -> 5   6 -> 7
+
+Reduce runs the same tree bottom-up: each rank reduces what its children send,
+then sends the partial result to its parent.
+
+Cost with K bytes (alpha, beta, gamma as in ring.py):
+
+    broadcast:   ceil(log2 n) (alpha + K beta)
+    reduce:      ceil(log2 n) (alpha + K beta + K gamma)
+    all-reduce:  2 ceil(log2 n) (alpha + K beta) + ceil(log2 n) K gamma
+
+Few messages (good for small buffers) but every hop carries the whole buffer
+(poor for large ones, where the ring's 2(n-1)/n K beta wins). The root computes the
+result and broadcasts it, so every rank ends bitwise identical.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..transport import Transport
+from .common import reduce_into
+
+
+def broadcast(comm: Transport, flat: torch.Tensor, root: int) -> None:
+    """Copy the root's `flat` to every rank, in place."""
+    n = comm.world_size
+    v = (comm.rank - root) % n
+    mask = 1
+    while mask < n:  # find our parent: the rank that differs in our lowest set bit
+        if v & mask:
+            comm.recv(flat, (v - mask + root) % n)
+            break
+        mask <<= 1
+    sends = []
+    mask >>= 1
+    while mask > 0:  # pass it on to our children, farthest first
+        if v + mask < n:
+            sends.append(comm.isend(flat, (v + mask + root) % n))
+        mask >>= 1
+    for send in sends:
+        send.wait()
+
+
+def reduce(comm: Transport, flat: torch.Tensor, op: str, root: int) -> None:
+    """Reduce every rank's `flat` into the root's. Other ranks' `flat` end partial."""
+    n = comm.world_size
+    v = (comm.rank - root) % n
+    incoming = None
+    mask = 1
+    while mask < n:
+        if v & mask:  # our subtree is done: hand it to the parent
+            comm.send(flat, (v - mask + root) % n)
+            return
+        child = v + mask
+        if child < n:
+            if incoming is None:
+                incoming = torch.empty_like(flat)
+            comm.recv(incoming, (child + root) % n)
+            reduce_into(flat, incoming, op)
+        mask <<= 1
+
+
+def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
+    """Reduce to rank 0 along the tree, then broadcast back down it."""
+    if comm.world_size == 1 or flat.numel() == 0:
+        return
+    reduce(comm, flat, op, root=0)
+    broadcast(comm, flat, root=0)

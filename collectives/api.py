@@ -1,0 +1,185 @@
+"""The public collectives, named as in torch.distributed.
+
+    collectives.all_reduce(tensor, op="sum", algorithm="auto")      in place
+    collectives.broadcast(tensor, src=0, algorithm="auto")          in place
+    collectives.reduce_scatter(output, input, op="sum")             output = my chunk
+    collectives.all_gather(output, input)                           output = all chunks
+
+Each call checks its arguments, then (unless check=False) runs a small handshake in
+which every rank learns every other rank's call: collective, op, algorithm, dtype,
+numel and root. If they differ, every rank raises the same RuntimeError naming both
+sides, instead of hanging or exchanging garbage. The handshake is one native
+all-reduce of a few integers; its cost is a row of its own in the benchmark.
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Union
+
+import torch
+
+from . import algorithms
+from .bootstrap import get_comm
+from .transport import REDUCE_OPS, Transport
+
+SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                    torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+_COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
+_ALGORITHM_IDS = {name: i for i, name in enumerate(
+    ["auto", "ring", "halving-doubling", "tree", "naive", "native"])}
+
+
+def _check_tensor(tensor: torch.Tensor, what: str) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.is_contiguous():
+        raise ValueError(f"{what} must be contiguous (call .contiguous() first)")
+    if tensor.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{what} has dtype {tensor.dtype}, which is not one of "
+                        f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
+
+
+def _check_choice(value: str, allowed: Sequence[str], what: str) -> None:
+    if value not in allowed:
+        raise ValueError(f"unknown {what} {value!r}: choose from {', '.join(allowed)}")
+
+
+def _describe(row: List[int]) -> str:
+    collective, op, algorithm, dtype, numel, root = row
+    parts = [_COLLECTIVES[collective], f"numel={numel}",
+             f"dtype={str(SUPPORTED_DTYPES[dtype]).replace('torch.', '')}"]
+    if op >= 0:
+        parts.append(f"op={REDUCE_OPS[op]}")
+    parts.append(f"algorithm={list(_ALGORITHM_IDS)[algorithm]}")
+    if root >= 0:
+        parts.append(f"root={root}")
+    return " ".join(parts)
+
+
+def agree_on_call(comm: Transport, collective: str, tensor: torch.Tensor,
+                  op: Optional[str], algorithm: str, root: int = -1) -> None:
+    """Raise on every rank, naming both sides, if the ranks are not making the same call."""
+    signature = [_COLLECTIVES.index(collective),
+                 REDUCE_OPS.index(op) if op else -1,
+                 _ALGORITHM_IDS[algorithm],
+                 SUPPORTED_DTYPES.index(tensor.dtype),
+                 tensor.numel(), root]
+    table = torch.zeros(comm.world_size, len(signature), dtype=torch.int64)
+    table[comm.rank] = torch.tensor(signature)
+    comm.native_all_reduce(table, "sum")  # each rank fills its own row: an all-gather
+    rows = table.tolist()
+    for peer, row in enumerate(rows):
+        if row != rows[0]:
+            raise RuntimeError(f"{collective}: ranks disagree: rank 0 called "
+                               f"{_describe(rows[0])}, rank {peer} called {_describe(row)}")
+
+
+def _run_reduction(comm: Transport, function, flat: torch.Tensor, op: str, *args) -> None:
+    """Run an algorithm for sum/max/min; avg is sum followed by one division."""
+    function(comm, flat, "sum" if op == "avg" else op, *args)
+    if op == "avg":
+        if flat.is_floating_point():
+            flat.div_(comm.world_size)
+        else:
+            flat.floor_divide_(comm.world_size)  # integer average rounds down
+
+
+def _pick(collective: str, algorithm: str, tensor: torch.Tensor, comm: Transport) -> str:
+    _check_choice(algorithm, algorithms.names(collective), "algorithm")
+    if algorithm != "auto":
+        return algorithm
+    nbytes = tensor.numel() * tensor.element_size()
+    return algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.backend)
+
+
+def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
+               comm: Optional[Transport] = None, check: bool = True) -> torch.Tensor:
+    """Reduce `tensor` over all ranks, in place; every rank gets the bitwise same result.
+
+    op: "sum", "avg", "max" or "min" (integer avg rounds down).
+    algorithm: "auto", "ring", "halving-doubling", "tree", "naive" or "native".
+    """
+    comm = comm or get_comm()
+    _check_tensor(tensor, "all_reduce: tensor")
+    _check_choice(op, REDUCE_OPS, "reduce op")
+    chosen = _pick("all_reduce", algorithm, tensor, comm)
+    if comm.world_size == 1:
+        return tensor
+    if check:
+        agree_on_call(comm, "all_reduce", tensor, op, algorithm)
+    if tensor.numel():
+        _run_reduction(comm, algorithms.ALL_REDUCE[chosen], tensor.view(-1), op)
+    return tensor
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "auto",
+              comm: Optional[Transport] = None, check: bool = True) -> torch.Tensor:
+    """Copy rank `src`'s tensor to every rank, in place."""
+    comm = comm or get_comm()
+    _check_tensor(tensor, "broadcast: tensor")
+    if not 0 <= src < comm.world_size:
+        raise ValueError(f"broadcast: src={src} is not a rank of a world of {comm.world_size}")
+    chosen = _pick("broadcast", algorithm, tensor, comm)
+    if comm.world_size == 1:
+        return tensor
+    if check:
+        agree_on_call(comm, "broadcast", tensor, None, algorithm, root=src)
+    if tensor.numel():
+        algorithms.BROADCAST[chosen](comm, tensor.view(-1), src)
+    return tensor
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
+                   algorithm: str = "auto", comm: Optional[Transport] = None,
+                   check: bool = True) -> torch.Tensor:
+    """Reduce `input` (world_size x output.numel() elements) over ranks; rank r's
+    `output` receives chunk r of the result. `input` is used as scratch."""
+    comm = comm or get_comm()
+    _check_tensor(output, "reduce_scatter: output")
+    _check_tensor(input, "reduce_scatter: input")
+    _check_choice(op, REDUCE_OPS, "reduce op")
+    if input.numel() != output.numel() * comm.world_size or input.dtype != output.dtype:
+        raise ValueError(f"reduce_scatter: input must have world_size ({comm.world_size}) x "
+                         f"output's numel ({output.numel()}) elements of output's dtype; got "
+                         f"{input.numel()} of {input.dtype}")
+    chosen = _pick("reduce_scatter", algorithm, input, comm)
+    if comm.world_size > 1:
+        if check:
+            agree_on_call(comm, "reduce_scatter", input, op, algorithm)
+        if input.numel():
+            _run_reduction(comm, algorithms.REDUCE_SCATTER[chosen], input.view(-1), op)
+    mine = input.view(-1)[comm.rank * output.numel():(comm.rank + 1) * output.numel()]
+    output.view(-1).copy_(mine)
+    return output
+
+
+def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Tensor,
+               algorithm: str = "auto", comm: Optional[Transport] = None,
+               check: bool = True):
+    """Gather every rank's `input` into `output`: one tensor of world_size x input's
+    elements (rank r's at slot r), or a list of world_size tensors like input."""
+    comm = comm or get_comm()
+    _check_tensor(input, "all_gather: input")
+    n, count = comm.world_size, input.numel()
+    if isinstance(output, (list, tuple)):
+        if len(output) != n:
+            raise ValueError(f"all_gather: output list has {len(output)} tensors, "
+                             f"the world has {n} ranks")
+        flat = input.new_empty(n * count)
+    else:
+        _check_tensor(output, "all_gather: output")
+        if output.numel() != n * count or output.dtype != input.dtype:
+            raise ValueError(f"all_gather: output must have world_size ({n}) x input's numel "
+                             f"({count}) elements of input's dtype; got {output.numel()} "
+                             f"of {output.dtype}")
+        flat = output.view(-1)
+    flat[comm.rank * count:(comm.rank + 1) * count].copy_(input.view(-1))
+    chosen = _pick("all_gather", algorithm, flat, comm)
+    if n > 1:
+        if check:
+            agree_on_call(comm, "all_gather", input, None, algorithm)
+        if count:
+            algorithms.ALL_GATHER[chosen](comm, flat)
+    if isinstance(output, (list, tuple)):
+        for slot, tensor in enumerate(output):
+            tensor.view(-1).copy_(flat[slot * count:(slot + 1) * count])
+    return output

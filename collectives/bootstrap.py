@@ -1,0 +1,201 @@
+"""`collectives.init()`: find our place in the job and build the transport.
+
+    comm = collectives.init(backend="auto")   # "auto" | "gloo" | "nccl" | "mpi"
+
+1. Read rank / world size / local rank from the launcher (see launch.py).
+2. Pick the backend: "auto" is nccl when CUDA is available, else gloo.
+3. A world of one needs nothing more: no process group, no peers.
+4. mpi: mpi4py's world is the job; we check it agrees with the launcher.
+5. gloo / nccl: torch.distributed needs a rendezvous address. torchrun provides
+   MASTER_ADDR / MASTER_PORT; under mpirun nobody has to: rank 0 picks its address
+   and a free port and shares them over MPI; under Slurm the first node of the job
+   is the master.
+
+The communicator becomes the default for later calls (`collectives.get_comm()`).
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+from datetime import timedelta
+from typing import Optional, Union
+
+import torch
+
+from .launch import LaunchError, LaunchInfo, detect_launch
+from .transport.base import Transport
+from .transport.local import LocalTransport
+
+BACKENDS = ("auto", "gloo", "nccl", "mpi")
+DEFAULT_TIMEOUT = timedelta(seconds=300)
+
+_default: Optional[Transport] = None
+
+
+def _as_timedelta(timeout: Union[None, float, timedelta]) -> timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, timedelta):
+        return timeout
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    return timedelta(seconds=float(timeout))
+
+
+def resolve_backend(backend: str) -> str:
+    """The concrete backend for a name, with a one-line error for a bad one."""
+    if backend not in BACKENDS:
+        raise LaunchError(f"unknown backend {backend!r}: choose from {', '.join(BACKENDS)}")
+    if backend == "auto":
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise LaunchError("backend 'nccl' needs a CUDA GPU, but torch.cuda.is_available() "
+                          "is False here: use backend 'gloo' or 'mpi'")
+    return backend
+
+
+def _mpi_world():
+    from .transport.mpi import mpi
+    return mpi().COMM_WORLD
+
+
+def _check_mpi_agrees(info: LaunchInfo, world) -> None:
+    """The classic wrong-mpirun symptom: the launcher says N ranks, MPI says 1."""
+    if info.launcher != "none" and world.Get_size() != info.world_size:
+        from .transport.mpi import mpi
+        library = mpi().Get_library_version().strip().splitlines()[0]
+        raise LaunchError(
+            f"the launcher ({info.launcher}) says {info.world_size} ranks but MPI reports a "
+            f"world of {world.Get_size()}: that mpirun belongs to a different MPI than "
+            f"mpi4py's ({library}); start with ./launch_mpi.sh")
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """The first host of a Slurm node list such as "node[03-07,12],gpu1"."""
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist],
+                             capture_output=True, text=True, timeout=10)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.split()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
+    if not match:
+        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r} could not be read")
+    prefix, ranges = match.groups()
+    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
+
+
+def _rendezvous_address(info: LaunchInfo) -> tuple[str, int]:
+    """Where rank 0's torch.distributed store listens: from the env, MPI or Slurm."""
+    env = os.environ
+    has_addr, has_port = "MASTER_ADDR" in env, "MASTER_PORT" in env
+    if has_addr and has_port:
+        try:
+            return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+        except ValueError:
+            raise LaunchError(f"MASTER_PORT={env['MASTER_PORT']!r} is not an integer") from None
+    if has_addr != has_port:
+        missing = "MASTER_PORT" if has_addr else "MASTER_ADDR"
+        raise LaunchError(f"{missing} is not set but its partner is: set both or neither")
+    if info.is_mpi_launcher:
+        world = _mpi_world()
+        _check_mpi_agrees(info, world)
+        address = None
+        if world.Get_rank() == 0:
+            single_host = info.local_world_size == info.world_size
+            host = "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname())
+            address = (host, _free_port())
+        return world.bcast(address, root=0)
+    if info.launcher == "slurm" and "SLURM_JOB_NODELIST" in env:
+        port = 29500 + int(env.get("SLURM_JOB_ID", "0")) % 5000
+        return _first_slurm_host(env["SLURM_JOB_NODELIST"]), port
+    raise LaunchError(f"MASTER_ADDR and MASTER_PORT are not set ({info.launcher} launcher, "
+                      f"world of {info.world_size}): set them, or launch with torchrun or mpirun")
+
+
+def _limit_threads(info: LaunchInfo) -> None:
+    """One process per core share: ranks that oversubscribe cores must not each spin N threads."""
+    if "OMP_NUM_THREADS" in os.environ or info.world_size == 1:
+        return
+    ranks_here = info.local_world_size or info.world_size
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
+
+
+def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
+         device: Optional[Union[str, torch.device]] = None) -> Transport:
+    """Join the job and return its communicator (also the default for later calls).
+
+    backend: "auto" (nccl with CUDA, else gloo), "gloo", "nccl" or "mpi".
+    timeout: seconds (or a timedelta) after which a silent peer is an error; default 300.
+    device:  where this rank's tensors live; default the local rank's GPU for nccl, else CPU.
+    """
+    global _default
+    timeout = _as_timedelta(timeout)
+    backend = resolve_backend(backend)
+    mpi_size = _mpi_world().Get_size() if backend == "mpi" else None
+    info = detect_launch(mpi_world_size=mpi_size)
+    if device is None:
+        if backend == "nccl":
+            device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
+        else:
+            device = torch.device("cpu")
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    _limit_threads(info)
+
+    if backend == "mpi":
+        world = _mpi_world()
+        _check_mpi_agrees(info, world)
+        if world.Get_size() == 1:
+            comm: Transport = LocalTransport(device, timeout, backend)
+        else:
+            from .transport.mpi import MpiTransport
+            comm = MpiTransport(info.local_rank, device, timeout)
+    elif info.world_size == 1:
+        comm = LocalTransport(device, timeout, backend)
+    else:
+        import torch.distributed as dist
+        from .transport.torch_dist import TorchDistTransport
+        host, port = _rendezvous_address(info)
+        dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
+        comm = TorchDistTransport(backend, info.rank, info.world_size, info.local_rank,
+                                  device, timeout)
+    _default = comm
+    return comm
+
+
+def get_comm() -> Transport:
+    """The communicator from init(); in a plain single process, a world of one."""
+    global _default
+    if _default is None:
+        info = detect_launch()
+        if info.world_size > 1:
+            raise RuntimeError(f"this is rank {info.rank} of {info.world_size} "
+                               f"({info.launcher}): call collectives.init() first")
+        _default = LocalTransport(torch.device("cpu"), DEFAULT_TIMEOUT)
+    return _default
+
+
+def set_comm(comm: Optional[Transport]) -> None:
+    """Make `comm` the default communicator (None forgets it)."""
+    global _default
+    _default = comm
+
+
+def destroy() -> None:
+    """Close the default communicator and forget it."""
+    global _default
+    if _default is not None:
+        _default.close()
+    _default = None

@@ -1,0 +1,116 @@
+"""Who am I? Reading rank, world size and local rank from whatever launched us.
+
+Every launcher tells its processes their place in the job through environment
+variables, each launcher with its own names:
+
+    launcher        rank                  world size            local rank
+    torchrun        RANK                  WORLD_SIZE            LOCAL_RANK
+    MPICH / Hydra   PMI_RANK              PMI_SIZE              MPI_LOCALRANKID
+    Open MPI        OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_SIZE  OMPI_COMM_WORLD_LOCAL_RANK
+    MVAPICH         MV2_COMM_WORLD_RANK   MV2_COMM_WORLD_SIZE   MV2_COMM_WORLD_LOCAL_RANK
+    PMIx            PMIX_RANK             (from MPI)            (from MPI, else 0)
+    Slurm (srun)    SLURM_PROCID          SLURM_NTASKS          SLURM_LOCALID
+
+They are checked in that order: an explicit torchrun setting wins, and an MPI
+launcher's variables win over Slurm's, because `mpirun` inside a Slurm allocation
+inherits the batch script's SLURM_PROCID=0. With none of them set we are a single
+process: rank 0 of a world of 1.
+
+`detect_launch()` only reads the environment; it never starts communication, so it
+is cheap to call and easy to test with a faked environment.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+
+class LaunchError(RuntimeError):
+    """A launch setting is missing or inconsistent. The message is one line naming it."""
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+    launcher: str  # "torchrun", "mpich", "openmpi", "mvapich", "pmix", "slurm" or "none"
+    local_world_size: Optional[int] = None  # ranks on this host, when the launcher says
+
+    @property
+    def is_mpi_launcher(self) -> bool:
+        """True when an MPI process manager started us, so MPI can carry the rendezvous."""
+        return self.launcher in ("mpich", "openmpi", "mvapich", "pmix")
+
+
+# (launcher, rank variable, size variable, local rank variable, local size variable)
+_LAUNCHERS = [
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"),
+    ("mpich", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+     "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
+     "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    ("pmix", "PMIX_RANK", None, None, None),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+]
+
+
+def _read_int(env: Mapping[str, str], name: str) -> int:
+    text = env[name]
+    try:
+        value = int(text)
+    except ValueError:
+        raise LaunchError(f"{name}={text!r} is not an integer") from None
+    if value < 0:
+        raise LaunchError(f"{name}={value} is negative")
+    return value
+
+
+def _optional_int(env: Mapping[str, str], name: Optional[str]) -> Optional[int]:
+    if name is None or name not in env:
+        return None
+    try:
+        return int(env[name].split("(")[0].split(",")[0])  # Slurm may write "2(x3)"
+    except ValueError:
+        return None
+
+
+def detect_launch(env: Optional[Mapping[str, str]] = None,
+                  mpi_world_size: Optional[int] = None) -> LaunchInfo:
+    """Read this process's rank, world size and local rank from the launcher's variables.
+
+    `mpi_world_size` is used only for PMIx, which names the rank but not the size.
+    Raises LaunchError, naming the variable, when the settings are inconsistent.
+    """
+    env = os.environ if env is None else env
+    for launcher, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
+        has_rank = rank_var in env
+        has_size = size_var is not None and size_var in env
+        if not has_rank and not has_size:
+            continue
+        if not has_rank:
+            raise LaunchError(f"{size_var} is set but {rank_var} is not: set both or neither")
+        rank = _read_int(env, rank_var)
+        if size_var is None:  # PMIx gives no size variable: ask MPI, else other launchers
+            size = mpi_world_size
+            for fallback in ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
+                if size is None and fallback in env:
+                    size = _read_int(env, fallback)
+            if size is None:
+                raise LaunchError(f"{rank_var} is set but no world size is known: "
+                                  "install mpi4py or set WORLD_SIZE")
+            size_var = "the world size"
+        elif not has_size:
+            raise LaunchError(f"{rank_var} is set but {size_var} is not: set both or neither")
+        else:
+            size = _read_int(env, size_var)
+        if size < 1:
+            raise LaunchError(f"{size_var}={size} must be at least 1")
+        if rank >= size:
+            raise LaunchError(f"{rank_var}={rank} must be below {size_var}={size}")
+        local_rank = _read_int(env, local_var) if local_var and local_var in env else 0
+        return LaunchInfo(rank, size, local_rank, launcher,
+                          _optional_int(env, local_size_var))
+    return LaunchInfo(0, 1, 0, "none", 1)

@@ -1,0 +1,5 @@
+"""Transports: the only layer that knows which backend moves the bytes."""
+from .base import Handle, PeerError, Traffic, Transport, REDUCE_OPS
+from .local import LocalTransport
+
+__all__ = ["Handle", "PeerError", "Traffic", "Transport", "LocalTransport", "REDUCE_OPS"]

@@ -1,0 +1,182 @@
+"""The transport: the one small interface every collective algorithm is written against.
+
+A transport moves bytes between ranks and nothing else. It knows which backend is
+underneath (gloo, nccl, mpi, or a world of one); nothing above it does. Algorithms use:
+
+    comm.rank, comm.world_size, comm.local_rank, comm.backend, comm.device
+    comm.send(t, dst)            comm.recv(t, src)            blocking point-to-point
+    comm.isend(t, dst) -> h      comm.irecv(t, src) -> h      h.wait() completes it
+    comm.sendrecv(send_t, dst, recv_t, src)                   one step of a ring
+    comm.barrier()
+    comm.native_all_reduce(t, op)  comm.native_broadcast(t, src)   the backend's own
+
+Messages between one pair of ranks arrive in the order they were sent (every backend
+here guarantees it), so algorithms need no tags.
+
+Every transport counts the bytes it sends and receives in `comm.traffic`, so an
+algorithm or a sync strategy can report what it cost on the wire.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+@dataclass
+class Traffic:
+    """Bytes and messages this rank has sent and received since the last reset."""
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    messages_sent: int = 0
+    messages_received: int = 0
+
+    def reset(self) -> None:
+        self.bytes_sent = self.bytes_received = 0
+        self.messages_sent = self.messages_received = 0
+
+    def count_send(self, tensor: torch.Tensor) -> None:
+        self.bytes_sent += nbytes(tensor)
+        self.messages_sent += 1
+
+    def count_receive(self, tensor: torch.Tensor) -> None:
+        self.bytes_received += nbytes(tensor)
+        self.messages_received += 1
+
+    def snapshot(self) -> "Traffic":
+        return Traffic(self.bytes_sent, self.bytes_received,
+                       self.messages_sent, self.messages_received)
+
+
+class PeerError(RuntimeError):
+    """Talking to another rank failed: it died, stalled past the timeout, or disagreed."""
+
+
+class Handle:
+    """A pending send or receive. `wait()` blocks until it completes (or times out)."""
+
+    def wait(self) -> None:
+        raise NotImplementedError
+
+
+class DoneHandle(Handle):
+    """A handle for an operation that completed when it was started."""
+
+    def wait(self) -> None:
+        return None
+
+
+class StagedRecvHandle(Handle):
+    """A receive that landed in a host buffer and is copied to the device on wait()."""
+
+    def __init__(self, inner: Handle, host: torch.Tensor, target: torch.Tensor):
+        self.inner, self.host, self.target = inner, host, target
+
+    def wait(self) -> None:
+        self.inner.wait()
+        self.target.copy_(self.host)
+
+
+class KeepAliveHandle(Handle):
+    """A send from a temporary host copy, kept alive until the send completes."""
+
+    def __init__(self, inner: Handle, host: torch.Tensor):
+        self.inner, self.host = inner, host
+
+    def wait(self) -> None:
+        self.inner.wait()
+
+
+def nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Transport:
+    """Base class: bookkeeping shared by all transports. Subclasses move the bytes."""
+
+    backend: str = "?"
+    # Whether _isend/_irecv take tensors on an accelerator directly. When False,
+    # device tensors are staged through host memory (one copy each way).
+    device_tensors_ok: bool = False
+
+    def __init__(self, rank: int, world_size: int, local_rank: int,
+                 device: torch.device, timeout: timedelta):
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.device = device
+        self.timeout = timeout
+        self.traffic = Traffic()
+
+    # --- point to point: subclasses implement _isend/_irecv ---------------------------
+    def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        """Start sending `tensor` to rank `dst`; the tensor must not change until wait()."""
+        self._check_peer(tensor, dst, "isend")
+        self.traffic.count_send(tensor)
+        if tensor.device.type != "cpu" and not self.device_tensors_ok:
+            host = tensor.cpu()
+            return KeepAliveHandle(self._isend(host, dst), host)
+        return self._isend(tensor, dst)
+
+    def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        """Start receiving into `tensor` from rank `src`; read it only after wait()."""
+        self._check_peer(tensor, src, "irecv")
+        self.traffic.count_receive(tensor)
+        if tensor.device.type != "cpu" and not self.device_tensors_ok:
+            host = torch.empty_like(tensor, device="cpu")
+            return StagedRecvHandle(self._irecv(host, src), host, tensor)
+        return self._irecv(tensor, src)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        self.isend(tensor, dst).wait()
+
+    def recv(self, tensor: torch.Tensor, src: int) -> None:
+        self.irecv(tensor, src).wait()
+
+    def sendrecv(self, send_tensor: torch.Tensor, dst: int,
+                 recv_tensor: torch.Tensor, src: int) -> None:
+        """Send to `dst` and receive from `src` at the same time: one step of a ring.
+
+        Both are posted before either is waited on, so a ring where every rank calls
+        sendrecv(to the right, from the left) cannot deadlock.
+        """
+        receiving = self.irecv(recv_tensor, src)
+        sending = self.isend(send_tensor, dst)
+        receiving.wait()
+        sending.wait()
+
+    def _check_peer(self, tensor: torch.Tensor, peer: int, what: str) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"{what}: peer {peer} is not another rank of a world of "
+                             f"{self.world_size} (this is rank {self.rank})")
+        if not tensor.is_contiguous():
+            raise ValueError(f"{what}: tensor must be contiguous")
+
+    def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        raise NotImplementedError
+
+    def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        raise NotImplementedError
+
+    # --- the rest: subclasses implement ---------------------------------------------------
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+    def native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """The backend's own all-reduce, in place: the baseline ours are measured against."""
+        raise NotImplementedError
+
+    def native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """The backend's own broadcast, in place."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Release the backend's resources. The transport cannot be used afterwards."""
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, "
+                f"world_size={self.world_size}, local_rank={self.local_rank}, "
+                f"device={self.device})")

@@ -1,0 +1,92 @@
+"""gloo and nccl through torch.distributed.
+
+torch.distributed already runs a process group per backend; this transport is a thin
+layer over its point-to-point calls. Two backend facts shape it:
+
+- gloo moves CPU tensors over TCP; its send/recv do not take CUDA tensors, so those
+  are staged through host memory by the base class.
+- nccl moves CUDA tensors only, and a send and a receive must be issued together
+  (`batch_isend_irecv`) or two ranks that both send first can deadlock.
+
+A failed or timed-out wait is re-raised as PeerError naming the peer.
+"""
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .base import Handle, PeerError, Transport
+
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class _TorchHandle(Handle):
+    def __init__(self, work, what: str, timeout: timedelta):
+        self.work, self.what, self.timeout = work, what, timeout
+
+    def wait(self) -> None:
+        try:
+            self.work.wait(self.timeout)
+        except RuntimeError as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise PeerError(f"{self.what} failed: {first_line}") from error
+
+
+class TorchDistTransport(Transport):
+    """Point-to-point over an already initialised torch.distributed process group."""
+
+    def __init__(self, backend: str, rank: int, world_size: int, local_rank: int,
+                 device: torch.device, timeout: timedelta):
+        super().__init__(rank, world_size, local_rank, device, timeout)
+        self.backend = backend
+        self.device_tensors_ok = backend == "nccl"
+
+    def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        if self.backend == "nccl":
+            work = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, dst)])[0]
+        else:
+            work = dist.isend(tensor, dst)
+        return _TorchHandle(work, f"send to rank {dst}", self.timeout)
+
+    def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        if self.backend == "nccl":
+            work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, src)])[0]
+        else:
+            work = dist.irecv(tensor, src)
+        return _TorchHandle(work, f"receive from rank {src}", self.timeout)
+
+    def sendrecv(self, send_tensor, dst, recv_tensor, src) -> None:
+        if self.backend != "nccl":
+            return super().sendrecv(send_tensor, dst, recv_tensor, src)
+        # nccl: both directions in one batch, so neither side blocks the other.
+        self.traffic.count_send(send_tensor)
+        self.traffic.count_receive(recv_tensor)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_tensor, dst),
+                                        dist.P2POp(dist.irecv, recv_tensor, src)])
+        for work in works:
+            _TorchHandle(work, f"sendrecv with ranks {dst}/{src}", self.timeout).wait()
+
+    def barrier(self) -> None:
+        _TorchHandle(dist.barrier(async_op=True), "barrier", self.timeout).wait()
+
+    def native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        if op == "avg" and self.backend == "nccl" and tensor.is_floating_point():
+            work = dist.all_reduce(tensor, dist.ReduceOp.AVG, async_op=True)
+            return _TorchHandle(work, "native all_reduce", self.timeout).wait()
+        work = dist.all_reduce(tensor, _TORCH_OPS["sum" if op == "avg" else op], async_op=True)
+        _TorchHandle(work, "native all_reduce", self.timeout).wait()
+        if op == "avg":  # gloo has no AVG: sum, then divide (floor for integers)
+            if tensor.is_floating_point():
+                tensor.div_(self.world_size)
+            else:
+                tensor.floor_divide_(self.world_size)
+
+    def native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+        work = dist.broadcast(tensor, src, async_op=True)
+        _TorchHandle(work, f"native broadcast from rank {src}", self.timeout).wait()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
