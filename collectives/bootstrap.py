@@ -65,7 +65,7 @@ def _check_mpi_agrees(info: LaunchInfo, world) -> None:
     """The classic wrong-mpirun symptom: the launcher says N ranks, MPI says 1."""
     if info.launcher != "none" and world.Get_size() != info.world_size:
         from .transport.mpi import mpi
-        library = mpi().Get_library_version().strip().splitlines()[0]
+        library = " ".join(mpi().Get_library_version().split()[:3])
         raise LaunchError(
             f"the launcher ({info.launcher}) says {info.world_size} ranks but MPI reports a "
             f"world of {world.Get_size()}: that mpirun belongs to a different MPI than "

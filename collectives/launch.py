@@ -8,7 +8,7 @@ variables, each launcher with its own names:
     MPICH / Hydra   PMI_RANK              PMI_SIZE              MPI_LOCALRANKID
     Open MPI        OMPI_COMM_WORLD_RANK  OMPI_COMM_WORLD_SIZE  OMPI_COMM_WORLD_LOCAL_RANK
     MVAPICH         MV2_COMM_WORLD_RANK   MV2_COMM_WORLD_SIZE   MV2_COMM_WORLD_LOCAL_RANK
-    PMIx            PMIX_RANK             (from MPI)            (from MPI, else 0)
+    PMIx            PMIX_RANK             (MPI, or SLURM_NTASKS) (0)
     Slurm (srun)    SLURM_PROCID          SLURM_NTASKS          SLURM_LOCALID
 
 They are checked in that order: an explicit torchrun setting wins, and an MPI
@@ -22,12 +22,26 @@ is cheap to call and easy to test with a faked environment.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
 
 class LaunchError(RuntimeError):
     """A launch setting is missing or inconsistent. The message is one line naming it."""
+
+
+def _print_launch_errors_as_one_line(previous_hook):
+    """An uncaught LaunchError prints one line, not a traceback on every rank."""
+    def hook(kind, error, trace):
+        if issubclass(kind, LaunchError):
+            print(f"collectives: error: {error}", file=sys.stderr)
+        else:
+            previous_hook(kind, error, trace)
+    return hook
+
+
+sys.excepthook = _print_launch_errors_as_one_line(sys.excepthook)
 
 
 @dataclass(frozen=True)
@@ -95,9 +109,8 @@ def detect_launch(env: Optional[Mapping[str, str]] = None,
         rank = _read_int(env, rank_var)
         if size_var is None:  # PMIx gives no size variable: ask MPI, else other launchers
             size = mpi_world_size
-            for fallback in ("OMPI_COMM_WORLD_SIZE", "SLURM_NTASKS"):
-                if size is None and fallback in env:
-                    size = _read_int(env, fallback)
+            if size is None and "SLURM_NTASKS" in env:  # srun --mpi=pmix
+                size = _read_int(env, "SLURM_NTASKS")
             if size is None:
                 raise LaunchError(f"{rank_var} is set but no world size is known: "
                                   "install mpi4py or set WORLD_SIZE")

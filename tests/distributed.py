@@ -1,0 +1,97 @@
+"""Run a function on N spawned ranks, like fairscale's tests, but with a hard deadline.
+
+    def check_x(comm, size):          # module level, so spawned ranks can import it
+        ...
+        return something_picklable
+
+    results = run_world(check_x, world_size=4, args=(10,))   # [rank0's, rank1's, ...]
+
+Each rank gets torchrun-style variables and calls collectives.init(backend). The first
+rank that raises fails the test with its traceback; a rank that hangs past `timeout`
+gets every rank killed and the test fails with TimeoutError. Nothing can hang CI.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _rank_main(function, rank, world_size, port, backend, init_timeout, args, results):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    for name in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                 "SLURM_PROCID", "SLURM_NTASKS", "PMIX_RANK"):
+        os.environ.pop(name, None)
+    try:
+        import torch
+        torch.set_num_threads(1)
+        import collectives
+        comm = collectives.init(backend=backend, timeout=init_timeout)
+        value = function(comm, *args)
+        results.put((rank, "ok", value))
+        collectives.destroy()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
+              init_timeout=60.0):
+    """Run function(comm, *args) on `world_size` ranks; return the per-rank results."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    port = free_port()
+    ranks = [context.Process(target=_rank_main, daemon=True,
+                             args=(function, rank, world_size, port, backend,
+                                   init_timeout, args, results))
+             for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    deadline = time.monotonic() + timeout
+    values = {}
+    try:
+        while len(values) < world_size:
+            try:
+                rank, status, value = results.get(timeout=0.5)
+            except queue.Empty:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(values))} "
+                                       f"did not finish within {timeout} s")
+                dead = [r for r, p in enumerate(ranks) if p.exitcode not in (None, 0)
+                        and r not in values]
+                if dead:
+                    raise RuntimeError(f"rank {dead[0]} died with exit code "
+                                       f"{ranks[dead[0]].exitcode}")
+                continue
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed:\n{value}")
+            values[rank] = value
+    finally:
+        for process in ranks:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.kill()
+                process.join()
+    return [values[rank] for rank in range(world_size)]
+
+
+def run_world_collecting_errors(function, world_size, args=(), timeout=60.0, **kwargs):
+    """Like run_world, but each rank's exception comes back as a string result instead."""
+    return run_world(_catching, world_size, (function, args), timeout=timeout, **kwargs)
+
+
+def _catching(comm, function, args):
+    try:
+        return ("ok", function(comm, *args))
+    except Exception as error:  # the exception is the result under test
+        return ("raised", f"{type(error).__name__}: {error}")

@@ -1,0 +1,52 @@
+"""Bad launch settings: one clear line naming the variable, exit non-zero, no hang."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+INIT = "import collectives; collectives.init(backend={backend!r})"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK",
+               "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+               "SLURM_PROCID", "SLURM_NTASKS", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE")
+
+
+def run_init(backend, extra_env, code=INIT):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env.update(extra_env)
+    env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
+    return subprocess.run([sys.executable, "-c", code.format(backend=backend)], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("backend, env, line", [
+    ("gloo", {"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 must be below WORLD_SIZE=4"),
+    ("gloo", {"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
+    ("gloo", {"PMI_SIZE": "4"}, "PMI_SIZE is set but PMI_RANK is not"),
+    ("tcp", {}, "unknown backend 'tcp': choose from auto, gloo, nccl, mpi"),
+    ("nccl", {}, "backend 'nccl' needs a CUDA GPU"),
+    ("gloo", {"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT are not set"),
+    ("gloo", {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"},
+     "MASTER_PORT is not set but its partner is"),
+    # An mpirun from another MPI: its variables say 4 ranks, mpi4py's MPI sees a world of 1.
+    ("mpi", {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
+     "the launcher (openmpi) says 4 ranks but MPI reports a world of 1"),
+    ("gloo", {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4"},
+     "the launcher (openmpi) says 4 ranks but MPI reports a world of 1"),
+])
+def test_bad_launch_prints_one_clear_line(backend, env, line):
+    result = run_init(backend, env)
+    assert result.returncode != 0
+    # mpi4py may add its own warning about the environment; ours is one line, no traceback
+    assert "Traceback" not in result.stderr, result.stderr
+    ours = [text for text in result.stderr.splitlines() if text.startswith("collectives: error: ")]
+    assert len(ours) == 1, result.stderr
+    assert line in ours[0]
+
+
+def test_errors_from_code_are_still_exceptions():
+    code = ("import collectives\ntry:\n    collectives.init(backend={backend!r})\n"
+            "except collectives.LaunchError as e:\n    print('caught', e)")
+    result = run_init("bogus", {}, code)
+    assert result.returncode == 0 and result.stdout.startswith("caught unknown backend")
