@@ -65,5 +65,5 @@ def check_transport(comm) -> str:
 if __name__ == "__main__":
     import collectives
     comm = collectives.init(backend=sys.argv[1] if len(sys.argv) > 1 else "mpi", timeout=60)
-    print(f"rank {comm.rank} of {comm.world_size} ({comm.backend}): {check_transport(comm)}",
-          flush=True)
+    result = check_transport(comm)
+    sys.stdout.write(f"rank {comm.rank} of {comm.world_size} ({comm.backend}): {result}\n")

@@ -46,8 +46,11 @@ def _rank_main(function, rank, world_size, port, backend, init_timeout, args, re
 
 
 def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
-              init_timeout=60.0):
-    """Run function(comm, *args) on `world_size` ranks; return the per-rank results."""
+              init_timeout=60.0, may_die=()):
+    """Run function(comm, *args) on `world_size` ranks; return the per-rank results.
+
+    Ranks listed in `may_die` are allowed to exit without a result (their slot is None).
+    """
     context = mp.get_context("spawn")
     results = context.Queue()
     port = free_port()
@@ -60,7 +63,7 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
     deadline = time.monotonic() + timeout
     values = {}
     try:
-        while len(values) < world_size:
+        while len(values) < world_size - len(may_die):
             try:
                 rank, status, value = results.get(timeout=0.5)
             except queue.Empty:
@@ -68,7 +71,7 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
                     raise TimeoutError(f"ranks {sorted(set(range(world_size)) - set(values))} "
                                        f"did not finish within {timeout} s")
                 dead = [r for r, p in enumerate(ranks) if p.exitcode not in (None, 0)
-                        and r not in values]
+                        and r not in values and r not in may_die]
                 if dead:
                     raise RuntimeError(f"rank {dead[0]} died with exit code "
                                        f"{ranks[dead[0]].exitcode}")
@@ -82,7 +85,7 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
             if process.is_alive():
                 process.kill()
                 process.join()
-    return [values[rank] for rank in range(world_size)]
+    return [values.get(rank) for rank in range(world_size)]
 
 
 def run_world_collecting_errors(function, world_size, args=(), timeout=60.0, **kwargs):

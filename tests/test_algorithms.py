@@ -1,0 +1,20 @@
+"""Every algorithm, op, dtype and world size 1-6 against numpy, on gloo."""
+import pytest
+
+from checks_algorithms import check_all_reduce, check_broadcast_gather_scatter, check_ring_segments
+from distributed import run_world
+
+
+def run_checks(comm):
+    return check_all_reduce(comm), check_ring_segments(comm), check_broadcast_gather_scatter(comm)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6])
+def test_every_algorithm_matches_numpy_and_ranks_agree_bitwise(world_size):
+    results = run_world(run_checks, world_size, timeout=280)
+    all_reduce_digests = results[0][0]
+    assert len(all_reduce_digests) > 100
+    for rank, (all_reduce, segments, reduce_scatter) in enumerate(results):
+        assert all_reduce == all_reduce_digests, f"rank {rank} differs from rank 0"
+        assert segments == results[0][1], f"rank {rank} differs from rank 0 (segmented ring)"

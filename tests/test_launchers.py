@@ -1,0 +1,69 @@
+"""Real launchers: the test starts mpirun (the one matching mpi4py), launch_mpi.sh, torchrun."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from collectives.mpi_launcher import find_mpirun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.join(ROOT, "tests")
+PRINT_RANK = ("import os, collectives; c = collectives.init(backend={backend!r}, timeout=60); "
+              "os.write(1, f'rank {{c.rank}} of {{c.world_size}} {{c.backend}}\\n'.encode())")
+
+
+def run(argv, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
+                            cwd=TESTS)
+    assert result.returncode == 0, f"{argv} failed:\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def mpirun(nprocs, *command):
+    path, _ = find_mpirun()
+    return run([path, "-np", str(nprocs), *command])
+
+
+def ranks_printed(stdout, world_size, backend):
+    return sorted(line for line in stdout.splitlines() if line.startswith("rank")) == sorted(
+        f"rank {r} of {world_size} {backend}" for r in range(world_size))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("backend", ["gloo", "mpi"])
+def test_mpirun_init_finds_every_rank(backend):
+    out = mpirun(4, sys.executable, "-c", PRINT_RANK.format(backend=backend))
+    assert ranks_printed(out, 4, backend), out
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_init_finds_every_rank():
+    out = run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4",
+               "--no-python", sys.executable, "-c", PRINT_RANK.format(backend="gloo")])
+    assert ranks_printed(out, 4, "gloo"), out
+
+
+@pytest.mark.timeout(300)
+def test_launch_mpi_script():
+    out = run([os.path.join(ROOT, "launch_mpi.sh"), "-np", "3", "--", sys.executable, "-c",
+               PRINT_RANK.format(backend="mpi")])
+    assert ranks_printed(out, 3, "mpi"), out
+    assert "usage: launch_mpi.sh" in run([os.path.join(ROOT, "launch_mpi.sh"), "--help"])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_mpi_transport(world_size):
+    out = mpirun(world_size, sys.executable, "checks_transport.py", "mpi")
+    assert out.count(": ok") == world_size, out
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_mpi_algorithms_subset(world_size):
+    out = mpirun(world_size, sys.executable, "checks_algorithms.py")
+    assert out.count("checks ok") == world_size, out
