@@ -55,6 +55,14 @@ def _describe(row: List[int]) -> str:
     return " ".join(parts)
 
 
+def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
+    """Every rank's `row` of integers, in rank order (one native all-reduce)."""
+    table = torch.zeros(comm.world_size, len(row), dtype=torch.int64)
+    table[comm.rank] = torch.tensor(row, dtype=torch.int64)
+    comm.native_all_reduce(table, "sum")  # each rank fills its own row: an all-gather
+    return table.tolist()
+
+
 def agree_on_call(comm: Transport, collective: str, tensor: torch.Tensor,
                   op: Optional[str], algorithm: str, root: int = -1) -> None:
     """Raise on every rank, naming both sides, if the ranks are not making the same call."""
@@ -63,10 +71,7 @@ def agree_on_call(comm: Transport, collective: str, tensor: torch.Tensor,
                  _ALGORITHM_IDS[algorithm],
                  SUPPORTED_DTYPES.index(tensor.dtype),
                  tensor.numel(), root]
-    table = torch.zeros(comm.world_size, len(signature), dtype=torch.int64)
-    table[comm.rank] = torch.tensor(signature)
-    comm.native_all_reduce(table, "sum")  # each rank fills its own row: an all-gather
-    rows = table.tolist()
+    rows = gather_rows(comm, signature)
     for peer, row in enumerate(rows):
         if row != rows[0]:
             raise RuntimeError(f"{collective}: ranks disagree: rank 0 called "
@@ -183,3 +188,35 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
         for slot, tensor in enumerate(output):
             tensor.view(-1).copy_(flat[slot * count:(slot + 1) * count])
     return output
+
+
+def _through_flat_buffers(tensors: Sequence[torch.Tensor], run) -> None:
+    """Call run(flat) on one flat copy per (dtype, device) group, then copy back."""
+    groups = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for group in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        run(flat)
+        offset = 0
+        for tensor in group:
+            tensor.detach().copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
+                        comm: Optional[Transport] = None) -> None:
+    """Broadcast many tensors in place with one message per dtype (not one per tensor)."""
+    comm = comm or get_comm()
+    if comm.world_size > 1:
+        _through_flat_buffers(tensors, lambda flat: broadcast(flat, src, "native", comm,
+                                                              check=False))
+
+
+def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str = "avg",
+                         algorithm: str = "auto", comm: Optional[Transport] = None) -> None:
+    """All-reduce many tensors in place through one flat buffer per dtype."""
+    comm = comm or get_comm()
+    if comm.world_size > 1:
+        _through_flat_buffers(tensors, lambda flat: all_reduce(flat, op, algorithm, comm,
+                                                               check=False))

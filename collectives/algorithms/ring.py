@@ -44,7 +44,10 @@ import torch
 from ..transport import Transport
 from .common import chunk_bounds, reduce_into, segments
 
-SEGMENT_BYTES = 1 << 20  # measured with `python -m collectives.bench` (see docs/benchmarks.md)
+# Segments below a few MiB lose on loopback TCP: each message costs ~0.3 ms of
+# scheduling on a shared 2-core machine (64 KiB segments ran 3x slower than 4 MiB
+# ones; see docs/benchmarks.md).
+SEGMENT_BYTES = 4 << 20
 
 
 def _segment_elems(flat: torch.Tensor, segment_bytes: Optional[int]) -> int:

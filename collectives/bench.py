@@ -1,0 +1,326 @@
+"""Measure the collectives like nccl-tests' all_reduce_perf, and check every answer.
+
+    python -m collectives.bench --nproc 4                       # spawns 4 gloo ranks
+    python -m collectives.bench --nproc 4 --backend mpi         # starts mpirun itself
+    mpirun -np 4 python -m collectives.bench --backend mpi      # or under any launcher
+    torchrun --nproc-per-node 4 -m collectives.bench
+
+For every collective, size and algorithm it prints one row: size, count, dtype,
+algorithm, time (us), algbw, busbw, #wrong.
+
+    algbw = bytes / time
+    busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for reduce-scatter and
+            all-gather, x 1 for broadcast: the bytes each rank's link really carries,
+            so busbw is comparable across world sizes and with link speed.
+
+Besides the algorithms it measures two references: `native` (the backend's own
+collective) and, for all-reduce, `p2p-ring`: the ring all-reduce's exact message
+schedule (2(n-1) sendrecv steps of one chunk each) with no reduction, which is the
+practical limit of any ring on this transport. `handshake` is the argument check that
+collectives.all_reduce runs before each call unless check=False; it is timed alone.
+
+Timing: each rank runs the collective back to back and the slowest rank's mean is
+reported. The timed buffers hold zeros so repeated sums cannot overflow; #wrong comes
+from a separate run on data whose result is known exactly.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from typing import Dict, List
+
+import torch
+
+from . import algorithms, api
+from .algorithms import ring
+
+BUS_FACTOR = {  # busbw / algbw, as nccl-tests
+    "all_reduce": lambda n: 2 * (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "broadcast": lambda n: 1.0,
+}
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
+          "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
+UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    match = re.fullmatch(r"(\d+)\s*([KMG]?)(i?B)?", text.strip(), re.IGNORECASE)
+    if not match:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}: use e.g. 4K, 16M, 1G")
+    return int(match.group(1)) * UNITS[match.group(2).upper()]
+
+
+def parse_sizes(text: str) -> List[int]:
+    """'1K:64M' (doubling, as nccl-tests -f 2) or '1K,1M,16M'."""
+    if ":" in text:
+        low, high = (parse_size(part) for part in text.split(":"))
+        if low < 1 or high < low:
+            raise argparse.ArgumentTypeError(f"bad size range {text!r}")
+        sizes = []
+        while low <= high:
+            sizes.append(low)
+            low *= 2
+        return sizes
+    return [parse_size(part) for part in text.split(",")]
+
+
+def _pattern(rank: int, count: int, dtype) -> torch.Tensor:
+    return ((torch.arange(count) % 7) + rank).to(dtype)
+
+
+class Runner:
+    """One rank's view of the benchmark: builds buffers, runs and times one row."""
+
+    def __init__(self, comm, dtype, min_iters, seconds_per_row, trials):
+        self.comm, self.dtype = comm, dtype
+        self.min_iters, self.seconds_per_row, self.trials = min_iters, seconds_per_row, trials
+
+    def _slowest(self, seconds: float) -> float:
+        value = torch.tensor([seconds], dtype=torch.float64)
+        self.comm.native_all_reduce(value, "max")
+        return value.item()
+
+    def _time(self, step) -> float:
+        """Seconds per call: the median over trials of the slowest rank's mean.
+
+        A shared machine is noisy, so the row's time is the median of `trials` timed
+        loops, each of an iteration count that every rank agrees on.
+        """
+        step()  # warm up: first-touch allocations, connections
+        started = time.perf_counter()
+        step()
+        once = self._slowest(time.perf_counter() - started)
+        budget = self.seconds_per_row / self.trials
+        iters = max(self.min_iters, min(200, int(budget / max(once, 1e-6))))
+        means = []
+        for _ in range(self.trials):
+            self.comm.barrier()
+            started = time.perf_counter()
+            for _ in range(iters):
+                step()
+            means.append(self._slowest((time.perf_counter() - started) / iters))
+        return sorted(means)[len(means) // 2]
+
+    def measure(self, op: str, algorithm: str, nbytes: int) -> Dict:
+        comm, n, rank = self.comm, self.comm.world_size, self.comm.rank
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        count = max(1, nbytes // element)
+        if op in ("reduce_scatter", "all_gather"):
+            count = max(n, count - count % n)
+        step, wrong = self._build(op, algorithm, count)
+        seconds = self._time(step)
+        algbw = count * element / seconds / 1e9
+        return dict(op=op, algorithm=algorithm, backend=comm.backend, world_size=n,
+                    bytes=count * element, count=count, dtype=str(self.dtype).split(".")[-1],
+                    time_us=seconds * 1e6, algbw_gbps=algbw,
+                    busbw_gbps=algbw * BUS_FACTOR.get(op, lambda n: 2 * (n - 1) / n)(n),
+                    wrong=wrong)
+
+    def _build(self, op: str, algorithm: str, count: int):
+        """(a zero-argument timed step, #wrong from one checked run)."""
+        comm, n, rank, dtype = self.comm, self.comm.world_size, self.comm.rank, self.dtype
+        zeros = torch.zeros(count, dtype=dtype)
+        if op == "all_reduce" and algorithm == "p2p-ring":
+            chunk = max(1, count // n)
+            send, receive = zeros[:chunk], torch.empty(chunk, dtype=dtype)
+            right, left = (rank + 1) % n, (rank - 1) % n
+
+            def step():
+                for _ in range(2 * (n - 1)):
+                    comm.sendrecv(send, right, receive, left)
+            return step, 0
+        if op == "handshake":
+            return (lambda: api.agree_on_call(comm, "all_reduce", zeros, "sum", "ring")), 0
+        if op == "all_reduce":
+            data = _pattern(rank, count, dtype)
+            api.all_reduce(data, "sum", algorithm, comm, check=False)
+            expected = (torch.arange(count) % 7) * n + n * (n - 1) // 2
+            wrong = int((data.double() != expected.double()).sum())
+            return (lambda: api.all_reduce(zeros, "sum", algorithm, comm, check=False)), wrong
+        if op == "broadcast":
+            data = _pattern(rank, count, dtype)
+            api.broadcast(data, 0, algorithm, comm, check=False)
+            wrong = int((data != _pattern(0, count, dtype)).sum())
+            return (lambda: api.broadcast(zeros, 0, algorithm, comm, check=False)), wrong
+        if op == "reduce_scatter":
+            out = torch.empty(count // n, dtype=dtype)
+            data = _pattern(rank, count, dtype)
+            api.reduce_scatter(out, data, "sum", algorithm, comm, check=False)
+            mine = torch.arange(rank * (count // n), (rank + 1) * (count // n))
+            expected = (mine % 7) * n + n * (n - 1) // 2
+            wrong = int((out.double() != expected.double()).sum())
+            return (lambda: api.reduce_scatter(out, zeros, "sum", algorithm, comm,
+                                               check=False)), wrong
+        if op == "all_gather":
+            out = torch.empty(count, dtype=dtype)
+            part = count // n
+            api.all_gather(out, _pattern(rank, part, dtype), algorithm, comm, check=False)
+            expected = torch.cat([_pattern(r, part, dtype) for r in range(n)])
+            wrong = int((out != expected).sum())
+            return (lambda: api.all_gather(out, zeros[:part], algorithm, comm,
+                                           check=False)), wrong
+        raise ValueError(f"unknown op {op}")
+
+
+def format_row(row: Dict) -> str:
+    return (f"{row['bytes']:>12} {row['count']:>11} {row['dtype']:>8} {row['op']:>14} "
+            f"{row['algorithm']:>16} {row['time_us']:>11.1f} {row['algbw_gbps']:>7.3f} "
+            f"{row['busbw_gbps']:>7.3f} {row['wrong']:>6}")
+
+
+HEADER = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'op':>14} {'algorithm':>16} "
+          f"{'time(us)':>11} {'algbw':>7} {'busbw':>7} {'#wrong':>6}\n"
+          f"{'':>12} {'':>11} {'':>8} {'':>14} {'':>16} {'':>11} {'(GB/s)':>7} {'(GB/s)':>7}")
+
+
+def run_benchmark(comm, args) -> List[Dict]:
+    runner = Runner(comm, DTYPES[args.dtype], args.min_iters, args.seconds_per_row, args.trials)
+    rows = []
+    say = print if comm.rank == 0 else (lambda *a, **k: None)
+    say(f"# collectives.bench: backend {comm.backend}, {comm.world_size} ranks, "
+        f"dtype {args.dtype}, ring segment {ring.SEGMENT_BYTES // 1024} KiB")
+    say(HEADER)
+    for op in args.ops:
+        wanted = [a for a in args.algorithms if a in algorithms.names(op) or
+                  (a == "p2p-ring" and op == "all_reduce")]
+        for nbytes in args.sizes:
+            for algorithm in wanted:
+                row = runner.measure(op, algorithm, nbytes)
+                rows.append(row)
+                say(format_row(row), flush=True)
+    if args.handshake:
+        row = runner.measure("handshake", "agree_on_call", 1)
+        row.update(bytes=0, count=0, algbw_gbps=0.0, busbw_gbps=0.0)
+        rows.append(row)
+        say(format_row(row), flush=True)
+    bad = sum(row["wrong"] for row in rows)
+    say(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}")
+    return rows
+
+
+def plot(rows: List[Dict], path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ops = list(dict.fromkeys(row["op"] for row in rows if row["op"] != "handshake"))
+    figure, axes = plt.subplots(1, len(ops), figsize=(6 * len(ops), 4.5), squeeze=False)
+    for axis, op in zip(axes[0], ops):
+        for algorithm in dict.fromkeys(r["algorithm"] for r in rows if r["op"] == op):
+            points = [(r["bytes"], r["busbw_gbps"]) for r in rows
+                      if r["op"] == op and r["algorithm"] == algorithm]
+            axis.plot(*zip(*points), marker="o", label=algorithm,
+                      linestyle="--" if algorithm in ("native", "p2p-ring") else "-")
+        axis.set_xscale("log", base=2)
+        axis.set_xlabel("message size (bytes)")
+        axis.set_ylabel("busbw (GB/s)")
+        first = rows[0]
+        axis.set_title(f"{op}: {first['backend']}, {first['world_size']} ranks")
+        axis.grid(True, alpha=0.3)
+        axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m collectives.bench",
+                                description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog="\n\n".join(__doc__.split("\n\n")[1:]))
+    p.add_argument("--nproc", type=int, default=None,
+                   help="spawn this many ranks here (not needed under mpirun/torchrun)")
+    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"])
+    p.add_argument("--sizes", type=parse_sizes, default=parse_sizes("1K:64M"),
+                   help="sizes in bytes: a doubling range '1K:64M' or a list '4K,16M'")
+    p.add_argument("--ops", type=lambda s: s.split(","), default=["all_reduce"],
+                   help="comma list of all_reduce, reduce_scatter, all_gather, broadcast "
+                        "(default all_reduce)")
+    p.add_argument("--algorithms", type=lambda s: s.split(","),
+                   default=["ring", "halving-doubling", "tree", "naive", "native", "auto",
+                            "p2p-ring"],
+                   help="comma list; each op runs the ones it has (default: all)")
+    p.add_argument("--dtype", default="float32", choices=list(DTYPES))
+    p.add_argument("--min-iters", type=int, default=3,
+                   help="timed calls per trial at least (default 3)")
+    p.add_argument("--trials", type=int, default=5,
+                   help="timed loops per row; the median is reported (default 5)")
+    p.add_argument("--seconds-per-row", type=float, default=1.0,
+                   help="aim for about this much timing per row (default 1.0)")
+    p.add_argument("--segment-kb", type=int, default=None,
+                   help="ring segment size in KiB (default: the library's)")
+    p.add_argument("--no-handshake", dest="handshake", action="store_false",
+                   help="skip timing the argument-check handshake")
+    p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
+    p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size")
+    return p
+
+
+def validate(p: argparse.ArgumentParser, args) -> None:
+    for op in args.ops:
+        if op not in BUS_FACTOR:
+            p.error(f"unknown op {op!r}: choose from {', '.join(BUS_FACTOR)}")
+    known = set(algorithms.ALL_REDUCE) | set(algorithms.BROADCAST) | {"auto", "p2p-ring"}
+    for name in args.algorithms:
+        if name not in known:
+            p.error(f"unknown algorithm {name!r}: choose from {', '.join(sorted(known))}")
+    if args.nproc is not None and args.nproc < 1:
+        p.error(f"--nproc must be at least 1, got {args.nproc}")
+    if args.min_iters < 1 or args.trials < 1:
+        p.error("--min-iters and --trials must be at least 1")
+
+
+def rank_main(args) -> None:
+    import collectives
+    comm = collectives.init(backend=args.backend)
+    if args.segment_kb:
+        ring.SEGMENT_BYTES = args.segment_kb * 1024
+    rows = run_benchmark(comm, args)
+    if comm.rank == 0:
+        if args.json:
+            with open(args.json, "w") as out:
+                for row in rows:
+                    out.write(json.dumps(row) + "\n")
+        if args.plot:
+            plot(rows, args.plot)
+    collectives.destroy()
+
+
+def _spawned_rank(rank: int, world_size: int, port: int, args) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    rank_main(args)
+
+
+def main(argv=None) -> int:
+    p = parser()
+    args = p.parse_args(argv)
+    validate(p, args)
+    from .launch import detect_launch
+    launched = detect_launch().world_size > 1
+    if args.nproc and args.nproc > 1 and not launched:
+        if args.backend == "mpi":  # let the matching mpirun start the ranks
+            from .mpi_launcher import mpirun_command
+            argv = list(sys.argv[1:] if argv is None else argv)
+            cut = argv.index("--nproc")
+            rest = argv[:cut] + argv[cut + 2:]
+            command, env = mpirun_command(args.nproc, [sys.executable, "-m", "collectives.bench",
+                                                       *rest])
+            os.execvpe(command[0], command, env)
+        import torch.multiprocessing as mp
+        from .bootstrap import _free_port
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        mp.spawn(_spawned_rank, args=(args.nproc, _free_port(), args), nprocs=args.nproc)
+        return 0
+    rank_main(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""Training the same model with torch's DDP and with ours, on every rank, and comparing.
+
+Shared by the gloo tests (spawned ranks) and the mpi test (run under mpirun, where
+torch has no DDP: this file then saves our result for comparison with gloo's).
+"""
+import hashlib
+import sys
+
+import torch
+import torch.nn.functional as F
+import torchvision
+from torch import nn
+
+import collectives
+
+STEPS = 5
+BATCH = 4
+
+
+class BranchyMLP(nn.Module):
+    """An MLP whose middle layer is one of two branches, chosen per step."""
+
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.fc1 = nn.Linear(20, hidden)
+        self.branch_a = nn.Linear(hidden, hidden)
+        self.branch_b = nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, 5)
+
+    def forward(self, x, use_b=False):
+        h = F.relu(self.fc1(x))
+        h = F.relu(self.branch_b(h) if use_b else self.branch_a(h))
+        return self.head(h)
+
+
+# float64: any two correct all-reduces may round the last bit differently (summation
+# order), and ResNet-18's BatchNorm on 1x1 maps amplifies such differences about 100x per
+# step; in float64 they stay far below the tolerance, so the comparison tests the logic.
+DTYPE = torch.float64
+
+
+def make_model(kind, hidden=32):
+    torch.manual_seed(0)
+    if kind == "resnet18":
+        return torchvision.models.resnet18(num_classes=10).to(DTYPE)
+    return BranchyMLP(hidden).to(DTYPE)
+
+
+def batch(kind, rank, world_size, step):
+    """This rank's shard of the global batch of `step`."""
+    generator = torch.Generator().manual_seed(100 + step)
+    n = world_size * BATCH
+    if kind == "resnet18":
+        x = torch.randn(n, 3, 32, 32, generator=generator, dtype=DTYPE)
+        y = torch.randint(0, 10, (n,), generator=generator)
+    else:
+        x = torch.randn(n, 20, generator=generator, dtype=DTYPE)
+        y = torch.randint(0, 5, (n,), generator=generator)
+    return x[rank * BATCH:(rank + 1) * BATCH], y[rank * BATCH:(rank + 1) * BATCH]
+
+
+def branch_choice(branches, step, rank):
+    if branches == "together":   # all ranks skip the same branch: globally unused
+        return step % 2 == 1
+    if branches == "by-rank":    # some ranks use a branch that others skip
+        return (step + rank) % 3 == 0
+    return False
+
+
+def train(model, rank, world_size, kind, branches="none", accumulate=1, steps=STEPS):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        optimizer.zero_grad()
+        for micro in range(accumulate):
+            x, y = batch(kind, rank, world_size, step * accumulate + micro)
+            kwargs = {} if kind == "resnet18" else {
+                "use_b": branch_choice(branches, step * accumulate + micro, rank)}
+            last = micro == accumulate - 1
+            context = model.no_sync() if not last else _nothing()
+            with context:
+                F.cross_entropy(model(x, **kwargs), y).backward()
+        optimizer.step()
+    return model
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def state(model):
+    return {name: t.detach().clone() for name, t in
+            list(model.named_parameters()) + list(model.named_buffers())}
+
+
+def digest_parameters(model):
+    hasher = hashlib.sha1()
+    for _, p in sorted(model.named_parameters()):
+        hasher.update(p.detach().numpy().tobytes())
+    return hasher.hexdigest()
+
+
+def compare_with_torch_ddp(comm, kind, branches="none", accumulate=1, **ours_options):
+    """Train with torch DDP and with ours; assert equal; return our parameters' digest."""
+    rank, world_size = comm.rank, comm.world_size
+    find_unused = kind == "mlp"  # branch_b is never used when branches == "none"
+    theirs = torch.nn.parallel.DistributedDataParallel(
+        make_model(kind), find_unused_parameters=find_unused,
+        bucket_cap_mb=ours_options.get("bucket_cap_mb", 25))
+    train(theirs, rank, world_size, kind, branches, accumulate)
+    ours = collectives.DistributedDataParallel(make_model(kind), find_unused_parameters=find_unused,
+                                               **ours_options)
+    train(ours, rank, world_size, kind, branches, accumulate)
+    expected, actual = state(theirs.module), state(ours.module)
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name} on rank {rank}: {m}")
+    return digest_parameters(ours.module)
+
+
+def train_ours(comm, kind, **options):
+    model = collectives.DistributedDataParallel(make_model(kind), find_unused_parameters=True,
+                                                **options)
+    train(model, comm.rank, comm.world_size, kind)
+    return digest_parameters(model.module)
+
+
+if __name__ == "__main__":
+    comm = collectives.init(backend="mpi", timeout=120)
+    result = train_ours(comm, "mlp", algorithm="ring")
+    sys.stdout.write(f"rank {comm.rank} digest {result}\n")
+
+
+def compare_horovod_with_torch_ddp(comm, compression="none"):
+    """Horovod's recipe through collectives.horovod equals torch DDP on the MLP."""
+    import collectives.horovod as hvd
+    rank, world_size = comm.rank, comm.world_size
+    theirs = torch.nn.parallel.DistributedDataParallel(make_model("mlp"),
+                                                       find_unused_parameters=True)
+    train(theirs, rank, world_size, "mlp")
+    model = make_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                         compression=getattr(hvd.Compression, compression))
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        x, y = batch("mlp", rank, world_size, step)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    tolerance = dict(rtol=1e-5, atol=1e-6) if compression == "none" else dict(rtol=0, atol=2e-3)
+    for name, expected in state(theirs.module).items():
+        torch.testing.assert_close(state(model)[name], expected, **tolerance,
+                                   msg=lambda m: f"{name} on rank {rank}: {m}")
+    averaged = hvd.allreduce(torch.tensor(float(rank)), name="rank")
+    assert averaged.item() == (world_size - 1) / 2
+    return digest_parameters(model)

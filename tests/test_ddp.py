@@ -1,0 +1,103 @@
+"""Our DistributedDataParallel gives torch DDP's answer (CPU, gloo, spawned ranks)."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from checks_ddp import compare_with_torch_ddp, train_ours
+from collectives.mpi_launcher import find_mpirun
+from distributed import run_world, run_world_collecting_errors
+
+
+def assert_same_on_every_rank(digests):
+    assert len(set(digests)) == 1, f"ranks ended with different parameters: {digests}"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_resnet18_with_batchnorm_equals_torch_ddp(world_size):
+    assert_same_on_every_rank(run_world(compare_with_torch_ddp, world_size, ("resnet18",),
+                                        timeout=280))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("branches", ["together", "by-rank"])
+def test_unused_branch_equals_torch_ddp(world_size, branches):
+    assert_same_on_every_rank(run_world(compare_with_torch_ddp, world_size, ("mlp", branches),
+                                        timeout=180))
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("options", [
+    dict(accumulate=3),                                   # no_sync() accumulation
+    dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0005),   # a bucket per parameter or so
+    dict(bucket_cap_mb=1000),                             # one giant bucket
+    dict(gradient_as_bucket_view=True, accumulate=2),
+    dict(algorithm="halving-doubling"), dict(algorithm="tree"), dict(algorithm="native"),
+])
+def test_bucketing_variants_equal_torch_ddp(options):
+    accumulate = options.pop("accumulate", 1)
+    kwargs = dict(options)
+    results = run_world(_compare_mlp, 3, (accumulate, kwargs), timeout=180)
+    assert_same_on_every_rank(results)
+
+
+def _compare_mlp(comm, accumulate, options):
+    return compare_with_torch_ddp(comm, "mlp", accumulate=accumulate, **options)
+
+
+def _mismatched_model(comm):
+    import collectives
+    from checks_ddp import make_model
+    collectives.DistributedDataParallel(make_model("mlp", hidden=32 + comm.rank))
+
+
+@pytest.mark.timeout(120)
+def test_mismatched_models_fail_clearly_on_every_rank():
+    for status, message in run_world_collecting_errors(_mismatched_model, 2):
+        assert status == "raised"
+        assert "the model differs across ranks" in message, message
+
+
+@pytest.mark.timeout(300)
+def test_mpi_backend_equals_gloo():
+    gloo = run_world(_train_ours_ring, 3, timeout=120)
+    path, _ = find_mpirun()
+    here = os.path.dirname(os.path.abspath(__file__))
+    out = subprocess.run([path, "-np", "3", sys.executable, "checks_ddp.py"], cwd=here,
+                         capture_output=True, text=True, timeout=240,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    digests = [line.split()[-1] for line in out.stdout.splitlines() if "digest" in line]
+    assert len(digests) == 3 and set(digests) == {gloo[0]}, (digests, gloo)
+
+
+def _train_ours_ring(comm):
+    return train_ours(comm, "mlp", algorithm="ring")
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("compression", ["none", "fp16"])
+def test_horovod_face_equals_torch_ddp(compression):
+    from checks_ddp import compare_horovod_with_torch_ddp
+    assert_same_on_every_rank(run_world(compare_horovod_with_torch_ddp, 3, (compression,),
+                                        timeout=180))
+
+
+@pytest.mark.timeout(300)
+def test_horovod_mnist_example_runs_under_mpirun():
+    here = os.path.dirname(os.path.abspath(__file__))
+    data = os.path.join(os.path.dirname(here), "..", "shared", "data")
+    if not os.path.isdir(os.path.join(data, "MNIST", "raw")):
+        pytest.skip(f"MNIST not found at {data}")
+    path, _ = find_mpirun()
+    out = subprocess.run([path, "-np", "2", sys.executable, "../examples/horovod_mnist.py",
+                          "--data-dir", data, "--epochs", "2", "--lr", "0.05", "--momentum", "0.9",
+                          "--log-interval", "20"],
+                         cwd=here, capture_output=True, text=True, timeout=280,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    accuracy = float(out.stdout.split("Accuracy: ")[-1].rstrip().rstrip("%"))
+    assert accuracy > 80, out.stdout  # two epochs of 4000 digits: it learns
