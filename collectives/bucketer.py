@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence
 
@@ -88,6 +89,7 @@ class CommWorker:
     def __init__(self):
         self.jobs: "queue.Queue" = queue.Queue()
         self.error: Optional[BaseException] = None
+        self.busy_seconds = 0.0  # time spent communicating, for reports
         self.thread = threading.Thread(target=self._run, name="collectives-comm", daemon=True)
         self.thread.start()
 
@@ -96,12 +98,14 @@ class CommWorker:
             job, done = self.jobs.get()
             if job is None:
                 return
+            started = time.perf_counter()
             try:
                 if self.error is None:
                     job()
             except BaseException as error:  # re-raised on the training thread
                 self.error = error
             finally:
+                self.busy_seconds += time.perf_counter() - started
                 done.set()
 
     def submit(self, job: Callable[[], None]) -> threading.Event:

@@ -28,7 +28,12 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 
 @dataclass
 class Traffic:
-    """Bytes and messages this rank has sent and received since the last reset."""
+    """Bytes and messages this rank has sent and received since the last reset.
+
+    Point-to-point messages are counted exactly. The backends do not report what their
+    native collectives send, so those count what a bandwidth-optimal algorithm sends:
+    2(n-1)/n of the buffer for all-reduce, the buffer once per receiver for broadcast.
+    """
     bytes_sent: int = 0
     bytes_received: int = 0
     messages_sent: int = 0
@@ -45,6 +50,10 @@ class Traffic:
     def count_receive(self, tensor: torch.Tensor) -> None:
         self.bytes_received += nbytes(tensor)
         self.messages_received += 1
+
+    def count_native(self, sent: float, received: float) -> None:
+        self.bytes_sent += int(sent)
+        self.bytes_received += int(received)
 
     def snapshot(self) -> "Traffic":
         return Traffic(self.bytes_sent, self.bytes_received,
@@ -167,10 +176,23 @@ class Transport:
 
     def native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """The backend's own all-reduce, in place: the baseline ours are measured against."""
-        raise NotImplementedError
+        n = self.world_size
+        share = 2 * (n - 1) / n * nbytes(tensor)
+        self.traffic.count_native(share, share)
+        self._native_all_reduce(tensor, op)
 
     def native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """The backend's own broadcast, in place."""
+        if self.rank == src:
+            self.traffic.count_native(nbytes(tensor) * (self.world_size - 1), 0)
+        else:
+            self.traffic.count_native(0, nbytes(tensor))
+        self._native_broadcast(tensor, src)
+
+    def _native_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        raise NotImplementedError
+
+    def _native_broadcast(self, tensor: torch.Tensor, src: int) -> None:
         raise NotImplementedError
 
     def close(self) -> None:

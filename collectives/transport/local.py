@@ -23,9 +23,9 @@ class LocalTransport(Transport):
     def barrier(self) -> None:
         return None
 
-    def native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+    def _native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         return None  # sum, avg, max and min of a single contribution are all the identity
 
-    def native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def _native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if src != 0:
             raise ValueError(f"broadcast: src={src} but the world has one rank")

@@ -109,7 +109,7 @@ class MpiTransport(Transport):
     def barrier(self) -> None:
         self._handle(self.comm.Ibarrier(), "barrier").wait()
 
-    def native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+    def _native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """MPI_Allreduce in place. MPI has no 16-bit float type: those reduce in float32."""
         work = tensor
         if tensor.dtype in (torch.float16, torch.bfloat16) or (
@@ -126,7 +126,7 @@ class MpiTransport(Transport):
         if work is not tensor:
             tensor.copy_(work)
 
-    def native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def _native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         work = tensor if (not tensor.is_cuda or self.device_tensors_ok) else tensor.cpu()
         buffer = as_buffer(work)
         self._handle(self.comm.Ibcast(buffer, src), f"native broadcast from rank {src}",

@@ -71,7 +71,7 @@ class TorchDistTransport(Transport):
     def barrier(self) -> None:
         _TorchHandle(dist.barrier(async_op=True), "barrier", self.timeout).wait()
 
-    def native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
+    def _native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         if op == "avg" and self.backend == "nccl" and tensor.is_floating_point():
             work = dist.all_reduce(tensor, dist.ReduceOp.AVG, async_op=True)
             return _TorchHandle(work, "native all_reduce", self.timeout).wait()
@@ -83,7 +83,7 @@ class TorchDistTransport(Transport):
             else:
                 tensor.floor_divide_(self.world_size)
 
-    def native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
+    def _native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         work = dist.broadcast(tensor, src, async_op=True)
         _TorchHandle(work, f"native broadcast from rank {src}", self.timeout).wait()
 

@@ -1,0 +1,108 @@
+"""The trainer as users run it: every launch mode, resume, eval-only, bad input."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from collectives.mpi_launcher import find_mpirun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16", "--epochs", "1"]
+
+
+def run(argv, cwd, timeout=240, check=True):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(name, None)
+    result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                            env=env)
+    if check:
+        assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
+    return result
+
+
+def trainer(*flags):
+    return [sys.executable, "-m", "trainer", *flags]
+
+
+def read_metrics(path):
+    with open(path) as lines:
+        return [json.loads(line) for line in lines]
+
+
+LAUNCHERS = {
+    "plain": lambda n, cmd: cmd,
+    "mpirun": lambda n, cmd: [find_mpirun()[0], "-np", str(n), *cmd],
+    "launch_mpi.sh": lambda n, cmd: [os.path.join(ROOT, "launch_mpi.sh"), "-np", str(n), "--",
+                                     *cmd],
+    "torchrun": lambda n, cmd: [sys.executable, "-m", "torch.distributed.run",
+                                "--nproc-per-node", str(n), "-m", "trainer", *cmd[3:]],
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("launcher", list(LAUNCHERS))
+def test_short_run_in_each_launch_mode(launcher, tmp_path):
+    world = 1 if launcher == "plain" else 2
+    metrics = tmp_path / "metrics.jsonl"
+    out = run(LAUNCHERS[launcher](world, trainer(*TINY, "--metrics", str(metrics))), tmp_path)
+    assert f"with {world} rank(s)" in out.stdout, out.stdout
+    assert "epoch 1/1: train loss" in out.stdout and "done in" in out.stdout
+    (record,) = read_metrics(metrics)
+    assert set(record) >= {"epoch", "train_loss", "test_acc", "images_per_s", "comm_bytes",
+                           "seconds"}
+    assert (record["comm_bytes"] > 0) == (world > 1)
+
+
+@pytest.mark.timeout(400)
+def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
+    mpirun = find_mpirun()[0]
+    flags = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16",
+             "--backend", "gloo"]
+    run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "2", "--checkpoint-dir", "straight")],
+        tmp_path)
+    run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "1", "--checkpoint-dir", "split")],
+        tmp_path)
+    run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "2", "--checkpoint-dir", "split",
+                                      "--resume", "split/checkpoint.pt")], tmp_path)
+    straight = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
+    assert straight["epoch"] == resumed["epoch"] == 2
+    for name, tensor in straight["model"].items():
+        assert torch.equal(tensor, resumed["model"][name]), f"{name} differs after resume"
+
+
+@pytest.mark.timeout(300)
+def test_eval_only_reports_the_checkpoints_accuracy(tmp_path):
+    run(trainer(*TINY, "--checkpoint-dir", "ckpt", "--metrics", "train.jsonl"), tmp_path)
+    out = run(trainer("--test-samples", "32", "--resume", "ckpt/checkpoint.pt", "--eval-only",
+                      "--metrics", "eval.jsonl"), tmp_path)
+    (trained,) = read_metrics(tmp_path / "train.jsonl")
+    (evaluated,) = read_metrics(tmp_path / "eval.jsonl")
+    assert evaluated["eval_only"] and evaluated["test_acc"] == trained["test_acc"]
+    assert f"test accuracy {trained['test_acc']:.2%}" in out.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flags, message", [
+    (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
+    (["--lr", "-1"], "argument --lr: must be positive"),
+    (["--sync", "bogus"], "invalid choice: 'bogus' (choose from 'allreduce'"),
+    (["--algorithm", "butterfly"], "invalid choice: 'butterfly' (choose from 'auto', 'ring'"),
+    (["--dataset", "mnist"], "--dataset mnist needs --data-dir"),
+    (["--eval-only"], "--eval-only needs --resume"),
+    (["--dataset", "mnist", "--data-dir", "missing"],
+     "--dataset mnist: nothing at missing/MNIST/raw/train-images-idx3-ubyte"),
+    (["--resume", "nowhere.pt"], "--resume nowhere.pt: no such checkpoint file"),
+])
+def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path):
+    result = run(trainer(*flags, "--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"), tmp_path,
+                 check=False)
+    assert result.returncode == 2, result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert message in last, result.stderr
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == [], "something was written before the arguments were valid"

@@ -1,0 +1,174 @@
+"""The training loop: data sharded over ranks, a ResNet, and our DistributedDataParallel.
+
+Each epoch: DistributedSampler gives every rank a different shard (reshuffled by
+set_epoch), the model trains with gradients synchronised by the chosen sync strategy,
+then every rank evaluates its own slice of the test split and the counts are summed.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+import collectives
+from collectives import sync
+from . import checkpoint, data
+from .cli import parse_args
+from .models import build_model
+
+
+def fail(message: str) -> None:
+    print(f"trainer: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def seed_everything(seed: int) -> None:
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def autocast(device: torch.device, amp: str):
+    if amp == "off":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, amp: str):
+    """(accuracy, mean loss) over the whole test split; each rank takes every n-th image."""
+    collectives.broadcast_coalesced(list(model.buffers()), src=0, comm=comm)  # rank 0's BN stats
+    mine = Subset(test_set, range(comm.rank, len(test_set), comm.world_size))
+    totals = torch.zeros(3, dtype=torch.float64)  # correct, count, summed loss
+    model.eval()
+    with torch.no_grad():
+        for images, labels in DataLoader(mine, batch_size=max(batch_size, 128)):
+            images, labels = images.to(device), labels.to(device)
+            with autocast(device, amp):
+                logits = model(images)
+            totals[0] += (logits.argmax(1) == labels).sum().item()
+            totals[1] += labels.numel()
+            totals[2] += F.cross_entropy(logits.float(), labels, reduction="sum").item()
+    model.train()
+    collectives.all_reduce(totals, op="sum", algorithm="native", comm=comm, check=False)
+    return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / max(totals[1].item(), 1)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)  # a bad flag: argparse's error, exit 2
+    try:  # everything that can be wrong is checked before anything is written
+        split = data.load(args.dataset, args.data_dir, args.train_samples, args.test_samples)
+    except data.DatasetMissing as error:
+        fail(str(error))
+    if args.resume and not os.path.isfile(args.resume):
+        fail(f"--resume {args.resume}: no such checkpoint file")
+
+    comm = collectives.init(backend=args.backend, timeout=args.timeout)
+    device, rank, world = comm.device, comm.rank, comm.world_size
+    say = print if rank == 0 else (lambda *a, **k: None)
+    seed_everything(args.seed)
+
+    model = build_model(args.arch, split.channels, split.num_classes, split.image_size).to(device)
+    strategy = sync.create(args.sync, algorithm=args.algorithm)
+    ddp = collectives.DistributedDataParallel(model, sync=strategy, bucket_cap_mb=args.bucket_mb,
+                                              comm=comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    sampler = DistributedSampler(split.train, num_replicas=world, rank=rank, shuffle=True,
+                                 seed=args.seed)
+    loader = DataLoader(split.train, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.workers, drop_last=True)
+    if len(loader) < args.accum_steps:
+        fail(f"each rank has {len(sampler)} training images: fewer than --batch-size "
+             f"{args.batch_size} x --accum-steps {args.accum_steps}")
+
+    start_epoch, step = 1, 0
+    if args.resume:
+        saved = checkpoint.load(args.resume)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        scaler.load_state_dict(saved["scaler"])
+        start_epoch, step = saved["epoch"] + 1, saved["step"]
+        checkpoint.restore_rng_state(saved["rng"])
+        if args.eval_only:
+            accuracy, _ = evaluate(model, split.test, comm, device, args.batch_size, args.amp)
+            say(f"checkpoint {args.resume} (epoch {saved['epoch']}): "
+                f"test accuracy {accuracy:.2%}")
+            if rank == 0 and args.metrics:
+                with open(args.metrics, "a") as out:
+                    out.write(json.dumps({"epoch": saved["epoch"], "test_acc": accuracy,
+                                          "eval_only": True}) + "\n")
+            collectives.destroy()
+            return
+
+    say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with {world} "
+        f"rank(s), backend {comm.backend}, sync {args.sync}, algorithm {args.algorithm}")
+    steps_per_epoch = len(loader) // args.accum_steps
+    started = time.perf_counter()
+    accuracy = 0.0
+    for epoch in range(start_epoch, args.epochs + 1):
+        sampler.set_epoch(epoch)
+        sent_before = comm.traffic.bytes_sent
+        busy_before = ddp.bucketer.worker.busy_seconds if ddp.bucketer else 0.0
+        epoch_started = time.perf_counter()
+        losses = []
+        batches = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", disable=rank != 0,
+                       leave=False, mininterval=1.0, dynamic_ncols=True,
+                       total=steps_per_epoch * args.accum_steps)
+        for index, (images, labels) in enumerate(batches):
+            if index >= steps_per_epoch * args.accum_steps:
+                break  # an incomplete accumulation at the end of the epoch is dropped
+            images, labels = images.to(device), labels.to(device)
+            last_micro = (index + 1) % args.accum_steps == 0
+            with (contextlib.nullcontext() if last_micro else ddp.no_sync()):
+                with autocast(device, args.amp):
+                    loss = F.cross_entropy(ddp(images), labels) / args.accum_steps
+                scaler.scale(loss).backward()
+            losses.append(loss.item() * args.accum_steps)
+            if last_micro:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                strategy.after_step(model, step)
+                if rank == 0:
+                    batches.set_postfix(loss=f"{losses[-1]:.3f}")
+        train_seconds = time.perf_counter() - epoch_started
+        accuracy, _ = evaluate(model, split.test, comm, device, args.batch_size, args.amp)
+        train_loss = torch.tensor([float(np.mean(losses))], dtype=torch.float64)
+        collectives.all_reduce(train_loss, op="avg", algorithm="native", comm=comm, check=False)
+        busy = (ddp.bucketer.worker.busy_seconds if ddp.bucketer else 0.0) - busy_before
+        record = {"epoch": epoch, "train_loss": train_loss.item(), "test_acc": accuracy,
+                  "images_per_s": len(losses) * args.batch_size * world / train_seconds,
+                  "comm_bytes": comm.traffic.bytes_sent - sent_before,
+                  "comm_share": busy / train_seconds,
+                  "seconds": time.perf_counter() - epoch_started}
+        say(f"epoch {epoch}/{args.epochs}: train loss {record['train_loss']:.4f}  "
+            f"test acc {accuracy:.2%}  {record['images_per_s']:.0f} img/s  "
+            f"comm {record['comm_share']:.0%} of time, {record['comm_bytes'] / 2**20:.1f} MiB "
+            f"sent  ({record['seconds']:.1f} s)", flush=True)
+        if rank == 0:
+            if args.metrics:
+                with open(args.metrics, "a") as out:
+                    out.write(json.dumps(record) + "\n")
+            if args.checkpoint_dir:
+                checkpoint.save_atomically(
+                    {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                     "scaler": scaler.state_dict(), "epoch": epoch, "step": step,
+                     "sampler": {"seed": args.seed, "epoch": epoch},
+                     "rng": checkpoint.rng_state(), "args": vars(args)},
+                    os.path.join(args.checkpoint_dir, "checkpoint.pt"))
+        comm.barrier()
+    say(f"done in {time.perf_counter() - started:.1f} s: test accuracy {accuracy:.2%}")
+    collectives.destroy()
