@@ -88,7 +88,7 @@ class DistributedDataParallel(nn.Module):
                                      names=names)
 
     def forward(self, *inputs, **kwargs):
-        if self.broadcast_buffers:
+        if self.broadcast_buffers and self.sync.forward_buffer_sync:
             buffers = list(self.module.buffers())
             if buffers:  # rank 0's BatchNorm statistics are everyone's
                 broadcast_coalesced(buffers, src=0, comm=self.comm)

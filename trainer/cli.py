@@ -55,6 +55,19 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def sync_option(text: str):
+    """'period=8' -> ('period', 8); numbers become int or float."""
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    for convert in (int, float):
+        try:
+            return key, convert(value)
+        except ValueError:
+            pass
+    return key, value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -85,6 +98,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="SGD momentum (default: 0.9)")
     optim.add_argument("--weight-decay", type=non_negative_float, default=1e-4,
                        help="SGD weight decay (default: 1e-4)")
+    optim.add_argument("--schedule", default="cosine", choices=["cosine", "constant"],
+                       help="learning-rate schedule over all steps: cosine decays to 0 "
+                            "(default: cosine)")
     optim.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"],
                        help="mixed precision; fp16 uses a GradScaler (default: off)")
     optim.add_argument("--accum-steps", type=positive_int, default=1,
@@ -95,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
     comm = p.add_argument_group("communication")
     comm.add_argument("--sync", default="allreduce", choices=sync.available(),
                       help="sync strategy (default: allreduce, what DDP does)")
+    comm.add_argument("--sync-option", action="append", default=[], metavar="KEY=VALUE",
+                      type=sync_option,
+                      help="an option for the sync strategy, repeatable: e.g. period=8 "
+                           "warmup_steps=20 (local-sgd), ratio=0.01 (topk), rank=2 (powersgd)")
     comm.add_argument("--algorithm", default="ring", choices=algorithms.names("all_reduce"),
                       help="collective algorithm for each gradient bucket (default: ring, "
                            "built from send/recv here; native is the backend's own)")
@@ -123,4 +143,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--eval-only needs --resume PATH (the checkpoint to evaluate)")
     if args.dataset != "shapes" and not args.data_dir:
         parser.error(f"--dataset {args.dataset} needs --data-dir (the folder holding it)")
+    args.sync_options = dict(args.sync_option)
+    try:  # a strategy rejects unknown or bad options before anything runs
+        sync.create(args.sync, algorithm=args.algorithm, **args.sync_options)
+    except (TypeError, ValueError) as error:
+        parser.error(f"--sync {args.sync} --sync-option: {error}")
     return args

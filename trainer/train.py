@@ -64,6 +64,12 @@ def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, am
     return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / max(totals[1].item(), 1)
 
 
+def background_comm_seconds(ddp, strategy) -> float:
+    """Seconds the communication threads (the bucketer's, a strategy's) have been busy."""
+    workers = [getattr(ddp.bucketer, "worker", None), getattr(strategy, "worker", None)]
+    return sum(worker.busy_seconds for worker in workers if worker is not None)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)  # a bad flag: argparse's error, exit 2
     try:  # everything that can be wrong is checked before anything is written
@@ -79,7 +85,7 @@ def main(argv=None) -> None:
     seed_everything(args.seed)
 
     model = build_model(args.arch, split.channels, split.num_classes, split.image_size).to(device)
-    strategy = sync.create(args.sync, algorithm=args.algorithm)
+    strategy = sync.create(args.sync, algorithm=args.algorithm, **args.sync_options)
     ddp = collectives.DistributedDataParallel(model, sync=strategy, bucket_cap_mb=args.bucket_mb,
                                               comm=comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
@@ -93,12 +99,17 @@ def main(argv=None) -> None:
         fail(f"each rank has {len(sampler)} training images: fewer than --batch-size "
              f"{args.batch_size} x --accum-steps {args.accum_steps}")
 
+    steps_per_epoch = len(loader) // args.accum_steps
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda done: 1.0) \
+        if args.schedule == "constant" else \
+        torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs * steps_per_epoch)
     start_epoch, step = 1, 0
     if args.resume:
         saved = checkpoint.load(args.resume)
         model.load_state_dict(saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         scaler.load_state_dict(saved["scaler"])
+        schedule.load_state_dict(saved["schedule"])
         start_epoch, step = saved["epoch"] + 1, saved["step"]
         checkpoint.restore_rng_state(saved["rng"])
         if args.eval_only:
@@ -114,13 +125,13 @@ def main(argv=None) -> None:
 
     say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with {world} "
         f"rank(s), backend {comm.backend}, sync {args.sync}, algorithm {args.algorithm}")
-    steps_per_epoch = len(loader) // args.accum_steps
     started = time.perf_counter()
     accuracy = 0.0
     for epoch in range(start_epoch, args.epochs + 1):
         sampler.set_epoch(epoch)
         sent_before = comm.traffic.bytes_sent
-        busy_before = ddp.bucketer.worker.busy_seconds if ddp.bucketer else 0.0
+        busy_before = background_comm_seconds(ddp, strategy)
+        blocked = 0.0  # seconds the training thread spent inside strategy hooks
         epoch_started = time.perf_counter()
         losses = []
         batches = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", disable=rank != 0,
@@ -137,18 +148,24 @@ def main(argv=None) -> None:
                 scaler.scale(loss).backward()
             losses.append(loss.item() * args.accum_steps)
             if last_micro:
+                hook_started = time.perf_counter()
+                strategy.after_backward(model)
+                blocked += time.perf_counter() - hook_started
                 scaler.step(optimizer)
                 scaler.update()
+                schedule.step()
                 optimizer.zero_grad(set_to_none=True)
                 step += 1
+                hook_started = time.perf_counter()
                 strategy.after_step(model, step)
+                blocked += time.perf_counter() - hook_started
                 if rank == 0:
                     batches.set_postfix(loss=f"{losses[-1]:.3f}")
         train_seconds = time.perf_counter() - epoch_started
         accuracy, _ = evaluate(model, split.test, comm, device, args.batch_size, args.amp)
         train_loss = torch.tensor([float(np.mean(losses))], dtype=torch.float64)
         collectives.all_reduce(train_loss, op="avg", algorithm="native", comm=comm, check=False)
-        busy = (ddp.bucketer.worker.busy_seconds if ddp.bucketer else 0.0) - busy_before
+        busy = background_comm_seconds(ddp, strategy) - busy_before + blocked
         record = {"epoch": epoch, "train_loss": train_loss.item(), "test_acc": accuracy,
                   "images_per_s": len(losses) * args.batch_size * world / train_seconds,
                   "comm_bytes": comm.traffic.bytes_sent - sent_before,
@@ -165,10 +182,12 @@ def main(argv=None) -> None:
             if args.checkpoint_dir:
                 checkpoint.save_atomically(
                     {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scaler": scaler.state_dict(), "epoch": epoch, "step": step,
+                     "scaler": scaler.state_dict(), "schedule": schedule.state_dict(),
+                     "epoch": epoch, "step": step,
                      "sampler": {"seed": args.seed, "epoch": epoch},
                      "rng": checkpoint.rng_state(), "args": vars(args)},
                     os.path.join(args.checkpoint_dir, "checkpoint.pt"))
         comm.barrier()
+    strategy.close()
     say(f"done in {time.perf_counter() - started:.1f} s: test accuracy {accuracy:.2%}")
     collectives.destroy()

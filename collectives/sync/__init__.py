@@ -1,5 +1,15 @@
-"""Sync strategies, one file each, registered by name. See base.py for the interface."""
+"""Sync strategies, one file each, registered by name. See base.py for the interface.
+
+    allreduce    average every gradient bucket during backward (what DDP does)
+    local-sgd    train alone, average the models every H steps (post-local SGD)
+    async-avg    average the models on a background thread, no per-step barrier
+    delayed      all-reduce step t's gradients during step t+1, apply them late
+    gossip       average with ring neighbours only, no global collective
+    fp16, bf16   average gradients in 16 bits
+    topk         send the largest 1% of each bucket, keep the rest as error feedback
+    powersgd     send rank-r factors of each gradient matrix, with error feedback
+"""
 from .base import SyncStrategy, available, create, register
-from . import allreduce  # noqa: F401  (registers "allreduce")
+from . import allreduce, async_avg, compression, delayed, gossip, local_sgd, powersgd  # noqa: F401
 
 __all__ = ["SyncStrategy", "available", "create", "register"]

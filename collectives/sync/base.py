@@ -8,8 +8,17 @@ is one small class that acts at some of them:
     after_backward(model)      every bucket has been reduced, before the optimizer step
     after_step(model, step)    the optimizer has updated the parameters
 
+    close()                    training is over: finish anything still in flight
+
 `uses_buckets` says whether gradients should be bucketed and reduced during backward at
 all (local SGD, for example, trains locally and averages parameters in after_step).
+`forward_buffer_sync` says whether rank 0's buffers (BatchNorm statistics) are
+broadcast before every forward, as DDP does; strategies that average buffers
+themselves, or must not wait for other ranks every step, turn it off.
+
+The training loop calls the moments in this order, every optimizer step:
+    forward, backward (reduce_bucket for each bucket), after_backward, optimizer.step(),
+    after_step; and close() once at the end.
 
 A strategy talks only through the collectives and the transport (`self.comm`), and the
 transport's counters say what it sent. Register a new one with `@register("name")`.
@@ -28,6 +37,7 @@ class SyncStrategy:
 
     name = "none"
     uses_buckets = True
+    forward_buffer_sync = True
 
     def setup(self, model: torch.nn.Module, comm: Transport) -> None:
         """Called once, after parameters have been broadcast from rank 0."""
@@ -41,6 +51,9 @@ class SyncStrategy:
 
     def after_step(self, model: torch.nn.Module, step: int) -> None:
         """The optimizer has stepped; `step` counts from 1."""
+
+    def close(self) -> None:
+        """Training is over: wait for (or cancel) anything still in flight."""
 
 
 _REGISTRY: Dict[str, Type[SyncStrategy]] = {}

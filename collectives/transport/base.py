@@ -195,6 +195,15 @@ class Transport:
     def _native_broadcast(self, tensor: torch.Tensor, src: int) -> None:
         raise NotImplementedError
 
+    def duplicate(self) -> "Transport":
+        """A second communicator over the same ranks whose messages never mix with ours.
+
+        Collective: every rank must call it, in the same order. A background thread that
+        communicates while the training thread does too needs its own communicator,
+        just as MPI codes use MPI_Comm_dup.
+        """
+        raise NotImplementedError
+
     def close(self) -> None:
         """Release the backend's resources. The transport cannot be used afterwards."""
 

@@ -23,6 +23,9 @@ class LocalTransport(Transport):
     def barrier(self) -> None:
         return None
 
+    def duplicate(self) -> "LocalTransport":
+        return LocalTransport(self.device, self.timeout, self.backend)
+
     def _native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         return None  # sum, avg, max and min of a single contribution are all the identity
 

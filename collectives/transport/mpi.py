@@ -88,8 +88,8 @@ _MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 class MpiTransport(Transport):
     backend = "mpi"
 
-    def __init__(self, local_rank: int, device: torch.device, timeout: timedelta):
-        world = mpi().COMM_WORLD
+    def __init__(self, local_rank: int, device: torch.device, timeout: timedelta, parent=None):
+        world = parent if parent is not None else mpi().COMM_WORLD
         super().__init__(world.Get_rank(), world.Get_size(), local_rank, device, timeout)
         # A communicator of our own, so our messages never mix with the user's MPI traffic.
         self.comm = world.Dup()
@@ -133,6 +133,9 @@ class MpiTransport(Transport):
                      buffer).wait()
         if work is not tensor:
             tensor.copy_(work)
+
+    def duplicate(self) -> "MpiTransport":
+        return MpiTransport(self.local_rank, self.device, self.timeout, parent=self.comm)
 
     def close(self) -> None:
         if self.comm is not None:

@@ -38,23 +38,26 @@ class TorchDistTransport(Transport):
     """Point-to-point over an already initialised torch.distributed process group."""
 
     def __init__(self, backend: str, rank: int, world_size: int, local_rank: int,
-                 device: torch.device, timeout: timedelta):
+                 device: torch.device, timeout: timedelta, group=None):
         super().__init__(rank, world_size, local_rank, device, timeout)
         self.backend = backend
         self.device_tensors_ok = backend == "nccl"
+        self.group = group  # None: the default process group
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
         if self.backend == "nccl":
-            work = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, dst)])[0]
+            work = dist.batch_isend_irecv([dist.P2POp(dist.isend, tensor, dst,
+                                                      group=self.group)])[0]
         else:
-            work = dist.isend(tensor, dst)
+            work = dist.isend(tensor, dst, group=self.group)
         return _TorchHandle(work, f"send to rank {dst}", self.timeout)
 
     def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
         if self.backend == "nccl":
-            work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, src)])[0]
+            work = dist.batch_isend_irecv([dist.P2POp(dist.irecv, tensor, src,
+                                                      group=self.group)])[0]
         else:
-            work = dist.irecv(tensor, src)
+            work = dist.irecv(tensor, src, group=self.group)
         return _TorchHandle(work, f"receive from rank {src}", self.timeout)
 
     def sendrecv(self, send_tensor, dst, recv_tensor, src) -> None:
@@ -63,19 +66,20 @@ class TorchDistTransport(Transport):
         # nccl: both directions in one batch, so neither side blocks the other.
         self.traffic.count_send(send_tensor)
         self.traffic.count_receive(recv_tensor)
-        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_tensor, dst),
-                                        dist.P2POp(dist.irecv, recv_tensor, src)])
+        works = dist.batch_isend_irecv([dist.P2POp(dist.isend, send_tensor, dst, group=self.group),
+                                        dist.P2POp(dist.irecv, recv_tensor, src, group=self.group)])
         for work in works:
             _TorchHandle(work, f"sendrecv with ranks {dst}/{src}", self.timeout).wait()
 
     def barrier(self) -> None:
-        _TorchHandle(dist.barrier(async_op=True), "barrier", self.timeout).wait()
+        _TorchHandle(dist.barrier(group=self.group, async_op=True), "barrier", self.timeout).wait()
 
     def _native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         if op == "avg" and self.backend == "nccl" and tensor.is_floating_point():
-            work = dist.all_reduce(tensor, dist.ReduceOp.AVG, async_op=True)
+            work = dist.all_reduce(tensor, dist.ReduceOp.AVG, group=self.group, async_op=True)
             return _TorchHandle(work, "native all_reduce", self.timeout).wait()
-        work = dist.all_reduce(tensor, _TORCH_OPS["sum" if op == "avg" else op], async_op=True)
+        work = dist.all_reduce(tensor, _TORCH_OPS["sum" if op == "avg" else op],
+                               group=self.group, async_op=True)
         _TorchHandle(work, "native all_reduce", self.timeout).wait()
         if op == "avg":  # gloo has no AVG: sum, then divide (floor for integers)
             if tensor.is_floating_point():
@@ -84,9 +88,16 @@ class TorchDistTransport(Transport):
                 tensor.floor_divide_(self.world_size)
 
     def _native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        work = dist.broadcast(tensor, src, async_op=True)
+        work = dist.broadcast(tensor, src, group=self.group, async_op=True)
         _TorchHandle(work, f"native broadcast from rank {src}", self.timeout).wait()
 
+    def duplicate(self) -> "TorchDistTransport":
+        group = dist.new_group(backend=self.backend, timeout=self.timeout)
+        return TorchDistTransport(self.backend, self.rank, self.world_size, self.local_rank,
+                                  self.device, self.timeout, group)
+
     def close(self) -> None:
+        if self.group is not None:
+            return  # a duplicate: its group goes with the default one
         if dist.is_initialized():
             dist.destroy_process_group()

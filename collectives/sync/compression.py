@@ -1,0 +1,73 @@
+"""Compressed gradient averaging: `fp16`, `bf16` and `topk` (with error feedback).
+
+`fp16` / `bf16`. Communicates: every bucket every step, as `allreduce`, in 16 bits
+(half the bytes). Each gradient is divided by the world size first (so the sum cannot
+overflow float16), cast, all-reduced, and cast back. bf16 keeps float32's range with
+8 bits of mantissa; fp16 keeps 11 bits with a narrow range. Literature: Micikevicius
+et al., "Mixed Precision Training" (ICLR 2018); DDP ships both as comm hooks and
+reports no accuracy loss on ResNets.
+
+`topk`. Communicates: per bucket, the k = ratio x numel entries of largest magnitude
+(k values and k int32 indices) from every rank, gathered with the ring all-gather; the
+rest is kept locally as error feedback and added to the next step's gradient, so
+nothing is lost, only delayed. Literature: Lin et al., "Deep Gradient Compression"
+(ICLR 2018) and Stich et al., "Sparsified SGD with Memory" (NeurIPS 2018) report
+accuracy matching dense SGD at 0.1-1 % density with error feedback.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+
+from .. import api
+from .allreduce import AllReduce
+from .base import register
+
+
+class _CastAllReduce(AllReduce):
+    dtype = torch.float16
+
+    def reduce_bucket(self, flat: torch.Tensor) -> None:
+        # Divide first, then cast: in float16 a sum of large gradients could overflow.
+        compact = flat.div(self.comm.world_size).to(self.dtype)
+        api.all_reduce(compact, op="sum", algorithm=self.algorithm, comm=self.comm, check=False)
+        flat.copy_(compact)
+
+
+@register("fp16")
+class FP16(_CastAllReduce):
+    dtype = torch.float16
+
+
+@register("bf16")
+class BF16(_CastAllReduce):
+    dtype = torch.bfloat16
+
+
+@register("topk")
+class TopK(AllReduce):
+    def __init__(self, ratio: float = 0.01, algorithm: str = "auto"):
+        super().__init__(algorithm)
+        if not 0 < ratio <= 1:
+            raise ValueError(f"topk: ratio must be in (0, 1], got {ratio}")
+        self.ratio = ratio
+        self.errors: Dict[int, torch.Tensor] = {}  # per bucket: what was not sent yet
+
+    def reduce_bucket(self, flat: torch.Tensor) -> None:
+        n = self.comm.world_size
+        error = self.errors.setdefault(flat.data_ptr(), torch.zeros_like(flat))
+        corrected = flat + error
+        k = max(1, int(self.ratio * flat.numel()))
+        _, indices = corrected.abs().topk(k, sorted=False)
+        values = corrected[indices]
+        error.copy_(corrected)
+        error[indices] = 0.0  # sent now, so no longer owed
+        # k float32 values and k int32 indices travel together as 2k 32-bit words.
+        packet = torch.cat([values.float().view(torch.int32), indices.to(torch.int32)])
+        gathered = torch.empty(n * 2 * k, dtype=torch.int32, device=flat.device)
+        api.all_gather(gathered, packet, algorithm="ring", comm=self.comm, check=False)
+        flat.zero_()
+        for part in gathered.view(n, 2, k):
+            flat.index_add_(0, part[1].long(), part[0].view(torch.float32).to(flat.dtype))
+        flat.div_(n)

@@ -1,0 +1,60 @@
+"""`delayed`: all-reduce step t's gradients while step t+1 computes; apply them late.
+
+Communicates: every gradient every step, as `allreduce`, but the all-reduce of step t
+runs on a background thread (its own communicator) during step t+1's forward and
+backward, so communication hides behind a whole step, not just part of backward. The
+optimizer at step t+1 applies the average of step t's gradients (zero at step 1): a
+one-step staleness.
+
+Literature: the "delayed gradient" / one-step-stale schemes studied by Zheng et al.,
+"Asynchronous SGD with Delay Compensation" (ICML 2017) and used by PipeDream (Harlap et
+al., 2018) report accuracy close to synchronous SGD for a delay of one step at
+moderate learning rates.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import api
+from ..bucketer import CommWorker
+from .base import SyncStrategy, register
+
+
+@register("delayed")
+class Delayed(SyncStrategy):
+    uses_buckets = False
+
+    def __init__(self, algorithm: str = "auto"):
+        self.algorithm = algorithm
+        self.in_flight = None   # (flat gradients being averaged, done event)
+
+    def setup(self, model, comm) -> None:
+        super().setup(model, comm)
+        self.channel = comm.duplicate()  # the training thread keeps using comm
+        self.worker = CommWorker()
+
+    def _wait_in_flight(self):
+        flat, done = self.in_flight
+        done.wait()
+        if self.worker.error is not None:
+            raise self.worker.error
+        return flat
+
+    def after_backward(self, model: torch.nn.Module) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        current = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                             for p in params])
+        previous = self._wait_in_flight() if self.in_flight else torch.zeros_like(current)
+        done = self.worker.submit(lambda: api.all_reduce(
+            current, op="avg", algorithm=self.algorithm, comm=self.channel, check=False))
+        self.in_flight = (current, done)
+        offset = 0
+        for p in params:  # the optimizer applies last step's average
+            p.grad = previous[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+
+    def close(self) -> None:
+        if self.in_flight:
+            self._wait_in_flight()  # its gradient is never applied: training is over
+            self.in_flight = None
+        self.worker.stop()

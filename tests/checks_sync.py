@@ -1,0 +1,202 @@
+"""Per-rank checks of the sync strategies (run on spawned gloo ranks by test_sync.py)."""
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import collectives
+from collectives import sync
+from collectives.algorithms.common import chunk_bounds
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data")
+
+
+class SmallCNN(nn.Module):
+    """A small MNIST network: two convolutions and two linear layers (21k parameters)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 10, 5)
+        self.conv2 = nn.Conv2d(10, 20, 5)
+        self.fc1 = nn.Linear(320, 50)
+        self.fc2 = nn.Linear(50, 10)
+
+    def forward(self, x):
+        x = F.relu(F.max_pool2d(self.conv1(x), 2))
+        x = F.relu(F.max_pool2d(self.conv2(x), 2))
+        return self.fc2(F.relu(self.fc1(x.flatten(1))))
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+                         nn.Linear(48, 5)).double()
+
+
+def step_once(model, strategy, optimizer, x, y, step):
+    """One step in the order every strategy expects (the trainer's order)."""
+    optimizer.zero_grad()
+    F.cross_entropy(model(x), y).backward()
+    strategy.after_backward(model.module)
+    optimizer.step()
+    strategy.after_step(model.module, step)
+
+
+def shard(comm, step, batch=8):
+    generator = torch.Generator().manual_seed(step)
+    x = torch.randn(comm.world_size * batch, 20, generator=generator, dtype=torch.float64)
+    y = torch.randint(0, 5, (comm.world_size * batch,), generator=generator)
+    part = slice(comm.rank * batch, (comm.rank + 1) * batch)
+    return x[part], y[part]
+
+
+def train_mlp(comm, name, steps=5, lr=0.1, momentum=0.0, **options):
+    strategy = sync.create(name, algorithm="ring", **options)
+    model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    for step in range(1, steps + 1):
+        step_once(model, strategy, optimizer, *shard(comm, step), step)
+    strategy.close()
+    return {k: v.clone() for k, v in model.module.state_dict().items()}
+
+
+def local_sgd_h1_equals_allreduce(comm):
+    expected = train_mlp(comm, "allreduce")
+    actual = train_mlp(comm, "local-sgd", period=1)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-10, atol=1e-12)
+    return "ok"
+
+
+def delayed_is_one_step_late(comm):
+    # delayed step 1 applies nothing; step 2 applies step 1's average, computed at the
+    # same parameters as allreduce's step 1
+    expected = train_mlp(comm, "allreduce", steps=1)
+    actual = train_mlp(comm, "delayed", steps=2)
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-10, atol=1e-12)
+    return "ok"
+
+
+def gossip_keeps_the_mean(comm):
+    strategy = sync.create("gossip")
+    model = mlp()
+    torch.manual_seed(comm.rank)  # every rank starts somewhere else
+    for p in model.parameters():
+        p.data.normal_()
+    strategy.setup(model, comm)
+    before = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mean_before = collectives.all_reduce(before.clone(), op="avg", comm=comm)
+    for step in range(1, 4):
+        strategy.after_step(model, step)
+    after = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    mean_after = collectives.all_reduce(after.clone(), op="avg", comm=comm)
+    torch.testing.assert_close(mean_after, mean_before, rtol=0, atol=1e-12)
+    spread_before = (before - mean_before).norm().item()
+    spread_after = (after - mean_after).norm().item()
+    assert spread_after < 0.7 * spread_before, (spread_before, spread_after)
+    return "ok"
+
+
+def ring_bytes(numel, element_size, n, rank):
+    """Bytes rank `rank` sends in a ring all-reduce: every chunk but two of its own."""
+    bounds = chunk_bounds(numel, n)
+    size = [bounds[i + 1] - bounds[i] for i in range(n)]
+    return (2 * numel - size[rank] - size[(rank + 1) % n]) * element_size
+
+
+def bytes_of_one_step(comm, name, **options):
+    strategy = sync.create(name, algorithm="ring", **options)
+    model = collectives.DistributedDataParallel(mlp().float(), sync=strategy, comm=comm,
+                                                bucket_cap_mb=0.01, first_bucket_mb=0.01)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, y = shard(comm, 1)
+    comm.traffic.reset()
+    step_once(model, strategy, optimizer, x.float(), y, 1)
+    sent = comm.traffic.bytes_sent
+    strategy.close()
+    return sent, model
+
+
+def byte_counts_match_formulas(comm):
+    n, rank = comm.world_size, comm.rank
+    dense, model = bytes_of_one_step(comm, "allreduce")
+    buckets = [b.buffer.numel() for b in model.bucketer.buckets]
+    assert len(buckets) > 1
+    assert dense == sum(ring_bytes(k, 4, n, rank) for k in buckets)
+    for name in ("fp16", "bf16"):
+        half, _ = bytes_of_one_step(comm, name)
+        assert half * 2 == dense, (name, half, dense)
+    sparse, _ = bytes_of_one_step(comm, "topk", ratio=0.05)
+    ks = [max(1, int(0.05 * k)) for k in buckets]
+    assert sparse == sum((n - 1) * (4 * k + 4 * k) for k in ks), (sparse, ks)  # values + indices
+    low_rank, model = bytes_of_one_step(comm, "powersgd", rank=2)
+    params = list(model.module.parameters())
+    matrices = [p for p in params if p.dim() == 2 and 2 * sum(p.shape) < p.numel()]
+    assert matrices
+    uncompressed = sum(p.numel() for p in params) - sum(p.numel() for p in matrices)
+    ps = sum(2 * p.shape[0] for p in matrices)     # r * n per matrix
+    qs = sum(2 * p.shape[1] for p in matrices)     # r * m per matrix
+    expected = sum(ring_bytes(k, 4, n, rank) for k in (uncompressed, ps, qs))
+    assert low_rank == expected, (low_rank, expected)
+    return {"dense": dense, "fp16": dense // 2, "topk": sparse, "powersgd": low_rank}
+
+
+def async_avg_does_not_wait_for_a_slow_rank(comm):
+    strategy = sync.create("async-avg", algorithm="ring")
+    model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    started = time.perf_counter()
+    for step in range(1, 11):
+        if comm.rank == 1:
+            time.sleep(0.2)  # the straggler
+        step_once(model, strategy, optimizer, *shard(comm, step), step)
+    loop_seconds = time.perf_counter() - started
+    strategy.close()
+    return loop_seconds, strategy.rounds
+
+
+def load_mnist(train):
+    from torchvision import datasets
+    dataset = datasets.MNIST(DATA, train=train, download=False)
+    images = (dataset.data.float().unsqueeze(1) / 255 - 0.1307) / 0.3081
+    return images, dataset.targets
+
+
+def mnist_accuracy(comm, name, epochs=3, options=None, momentum=0.9):
+    """Train SmallCNN on this rank's shard of the MNIST subset; return test accuracy.
+
+    SGD (lr 0.05, cosine decay to 0) on batches of 32 per rank, as the trainer does.
+    """
+    images, labels = load_mnist(train=True)
+    test_images, test_labels = load_mnist(train=False)
+    torch.manual_seed(0)
+    strategy = sync.create(name, algorithm="ring", **(options or {}))
+    model = collectives.DistributedDataParallel(SmallCNN(), sync=strategy, comm=comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+    mine = torch.arange(comm.rank, len(images), comm.world_size)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * (len(mine) // 32))
+    step = 0
+    for epoch in range(epochs):
+        order = mine[torch.randperm(len(mine), generator=torch.Generator().manual_seed(epoch))]
+        for batch in order.split(32):
+            if len(batch) < 32:
+                continue
+            step += 1
+            optimizer.zero_grad()
+            F.cross_entropy(model(images[batch]), labels[batch]).backward()
+            strategy.after_backward(model.module)
+            optimizer.step()
+            schedule.step()
+            strategy.after_step(model.module, step)
+    strategy.close()
+    with torch.no_grad():
+        predicted = model.module(test_images).argmax(1)
+    return (predicted == test_labels).float().mean().item()
+
+
+def every_strategy_learns_mnist(comm, runs):
+    """{name: accuracy} for {name: keyword arguments of mnist_accuracy}."""
+    return {name: mnist_accuracy(comm, name, **settings) for name, settings in runs.items()}
