@@ -8,8 +8,16 @@
     fp16, bf16   average gradients in 16 bits
     topk         send the largest 1% of each bucket, keep the rest as error feedback
     powersgd     send rank-r factors of each gradient matrix, with error feedback
+
+Every module in this folder is imported here, so a new strategy is one new file with
+an `@register("name")` class: nothing else to edit (docs/writing_a_sync_strategy.md).
 """
+import importlib
+import pkgutil
+
 from .base import SyncStrategy, available, create, register
-from . import allreduce, async_avg, compression, delayed, gossip, local_sgd, powersgd  # noqa: F401
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["SyncStrategy", "available", "create", "register"]
