@@ -7,14 +7,17 @@ For each sync ("ddp" is torch.nn.parallel.DistributedDataParallel; any other nam
 one of our strategies inside collectives.DistributedDataParallel) it measures, on
 random 28x28 images with the trainer's model:
 
-    step_ms       one full training step: forward, backward with communication, optimizer
+    step_ms       one full training step (median): forward, backward with
+                  communication, optimizer, and the strategy's hooks
+    mean_step_ms  the mean step, which counts periodic work (local-sgd's averaging)
     compute_ms    the same step with no communication (inside no_sync())
     comm_ms       only the communication: every gradient bucket reduced back to back
+                  (ddp and allreduce, which reduce gradients every step)
     hidden_share  how much of comm_ms the overlap hid behind backward:
                   (compute_ms + comm_ms - step_ms) / comm_ms, clipped to [0, 1]
-    images_per_s  world_size x batch size / step time
+    images_per_s  world_size x batch size / mean step time
 
-Times are the slowest rank's median over the timed steps.
+Times are the slowest rank's over the timed steps.
 """
 from __future__ import annotations
 
@@ -33,10 +36,12 @@ from collectives import sync as sync_registry
 from .models import ARCHITECTURES, build_model
 
 
-def _slowest_median(comm, samples):
-    value = torch.tensor([sorted(samples)[len(samples) // 2]], dtype=torch.float64)
+def _slowest(comm, samples):
+    """(median, mean) of the samples, each the slowest rank's."""
+    value = torch.tensor([sorted(samples)[len(samples) // 2], sum(samples) / len(samples)],
+                         dtype=torch.float64)
     comm.native_all_reduce(value, "max")
-    return value.item()
+    return value[0].item(), value[1].item()
 
 
 def _timed_steps(comm, step, warmup, steps):
@@ -48,7 +53,7 @@ def _timed_steps(comm, step, warmup, steps):
         started = time.perf_counter()
         step()
         samples.append(time.perf_counter() - started)
-    return _slowest_median(comm, samples)
+    return _slowest(comm, samples)
 
 
 def measure(comm, sync_name, args):
@@ -63,33 +68,48 @@ def measure(comm, sync_name, args):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     images = torch.randn(args.batch_size, 1, 28, 28)
     labels = torch.randint(0, 10, (args.batch_size,))
+    strategy = getattr(wrapped, "sync", None)
+    steps_done = [0]
 
-    def train_step():
+    def train_step():  # the trainer's order: backward, after_backward, step, after_step
         optimizer.zero_grad()
         F.cross_entropy(wrapped(images), labels).backward()
+        if strategy is not None:
+            strategy.after_backward(model)
         optimizer.step()
+        steps_done[0] += 1
+        if strategy is not None:
+            strategy.after_step(model, steps_done[0])
 
     def compute_only_step():
         with wrapped.no_sync():
             train_step()
 
-    step = _timed_steps(comm, train_step, args.warmup, args.steps)
-    compute = _timed_steps(comm, compute_only_step, 1, args.steps)
-    buffers = _bucket_buffers(wrapped, model, sync_name)
+    # A step's time is the median over the timed steps; local-sgd's averaging every H
+    # steps is included in the mean, so report the mean for it (see `mean_step_ms`).
+    step, mean_step = _timed_steps(comm, train_step, args.warmup, args.steps)
+    compute, _ = _timed_steps(comm, compute_only_step, 1, args.steps)
+    row = dict(sync=sync_name, world_size=comm.world_size, model=args.model,
+               batch_size=args.batch_size,
+               images_per_s=comm.world_size * args.batch_size / mean_step,
+               step_ms=step * 1e3, mean_step_ms=mean_step * 1e3, compute_ms=compute * 1e3,
+               comm_ms=None, hidden_share=None)
+    if sync_name in ("ddp", "allreduce"):  # gradient all-reduce every step: overlap is defined
+        buffers = _bucket_buffers(wrapped, model, sync_name)
 
-    def comm_only():
-        for flat in buffers:
-            if sync_name == "ddp":
-                dist.all_reduce(flat)
-            else:
-                wrapped.sync.reduce_bucket(flat)
+        def comm_only():
+            for flat in buffers:
+                if sync_name == "ddp":
+                    dist.all_reduce(flat)
+                else:
+                    wrapped.sync.reduce_bucket(flat)
 
-    communication = _timed_steps(comm, comm_only, 1, args.steps)
-    hidden = (compute + communication - step) / communication if communication > 0 else 0.0
-    return dict(sync=sync_name, world_size=comm.world_size, model=args.model,
-                batch_size=args.batch_size, images_per_s=comm.world_size * args.batch_size / step,
-                step_ms=step * 1e3, compute_ms=compute * 1e3, comm_ms=communication * 1e3,
-                hidden_share=min(1.0, max(0.0, hidden)))
+        communication, _ = _timed_steps(comm, comm_only, 1, args.steps)
+        hidden = (compute + communication - step) / communication
+        row.update(comm_ms=communication * 1e3, hidden_share=min(1.0, max(0.0, hidden)))
+    if strategy is not None:
+        strategy.close()  # background rounds (async-avg, delayed) end together
+    return row
 
 
 def _bucket_buffers(wrapped, model, sync_name):
@@ -108,15 +128,17 @@ def rank_main(args):
     if comm.rank == 0:
         print(f"# trainer.bench: {args.model}, {comm.world_size} ranks, batch {args.batch_size} "
               f"per rank, {args.steps} timed steps")
-        print(f"{'sync':>12} {'img/s':>8} {'step ms':>9} {'compute ms':>11} {'comm ms':>9} "
-              f"{'hidden':>7}")
+        print(f"{'sync':>12} {'img/s':>8} {'step ms':>9} {'mean ms':>9} {'compute ms':>11} "
+              f"{'comm ms':>9} {'hidden':>7}")
     for name in args.sync:
         row = measure(comm, name, args)
         rows.append(row)
         if comm.rank == 0:
+            comm_ms = "-" if row["comm_ms"] is None else f"{row['comm_ms']:.1f}"
+            hidden = "-" if row["hidden_share"] is None else f"{row['hidden_share']:.0%}"
             print(f"{row['sync']:>12} {row['images_per_s']:>8.1f} {row['step_ms']:>9.1f} "
-                  f"{row['compute_ms']:>11.1f} {row['comm_ms']:>9.1f} "
-                  f"{row['hidden_share']:>7.0%}", flush=True)
+                  f"{row['mean_step_ms']:>9.1f} {row['compute_ms']:>11.1f} {comm_ms:>9} "
+                  f"{hidden:>7}", flush=True)
     if comm.rank == 0 and args.json:
         with open(args.json, "w") as out:
             for row in rows:
