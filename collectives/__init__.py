@@ -7,7 +7,7 @@
 Layers, each calling only the one below:
     trainer -> sync strategy -> bucketer -> collective algorithm -> transport
 """
-from .api import (all_gather, all_reduce, all_reduce_coalesced, broadcast,
+from .api import (all_finite, all_gather, all_reduce, all_reduce_coalesced, broadcast,
                   broadcast_coalesced, reduce_scatter)
 from .bootstrap import BACKENDS, destroy, get_comm, init, set_comm
 from .launch import LaunchError, LaunchInfo, detect_launch
@@ -15,6 +15,6 @@ from .transport import PeerError, Transport
 from .ddp import DistributedDataParallel
 from . import sync
 
-__all__ = ["all_reduce", "broadcast", "reduce_scatter", "all_gather", "all_reduce_coalesced",
+__all__ = ["all_finite", "all_reduce", "broadcast", "reduce_scatter", "all_gather", "all_reduce_coalesced",
            "broadcast_coalesced", "DistributedDataParallel", "sync", "init", "get_comm", "set_comm", "destroy", "BACKENDS", "LaunchError",
            "LaunchInfo", "detect_launch", "PeerError", "Transport"]

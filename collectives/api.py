@@ -7,19 +7,31 @@
 
 Each call checks its arguments, then (unless check=False) runs a small handshake in
 which every rank learns every other rank's call: collective, op, algorithm, dtype,
-numel and root. If they differ, every rank raises the same RuntimeError naming both
-sides, instead of hanging or exchanging garbage. The handshake is one native
+numel, shape and root. If they differ, every rank raises the same RuntimeError naming
+both sides, instead of hanging or exchanging garbage. The handshake is one native
 all-reduce of a few integers; its cost is a row of its own in the benchmark.
+
+Debug mode (COLLECTIVES_DEBUG=DETAIL, like TORCH_DISTRIBUTED_DEBUG=DETAIL) runs the
+handshake on every call, even check=False ones, with each rank's call count in it, so
+the first call where the ranks diverge is named with its number.
+
+A peer that dies or stalls surfaces as PeerError naming the collective, the algorithm
+and the rank that was being waited for.
 """
 from __future__ import annotations
 
+import contextlib
+import os
+import zlib
 from typing import List, Optional, Sequence, Union
 
 import torch
 
 from . import algorithms
 from .bootstrap import get_comm
-from .transport import REDUCE_OPS, Transport
+from .transport import REDUCE_OPS, PeerError, Transport
+
+DEBUG = os.environ.get("COLLECTIVES_DEBUG", "").upper() == "DETAIL"
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
@@ -43,15 +55,31 @@ def _check_choice(value: str, allowed: Sequence[str], what: str) -> None:
         raise ValueError(f"unknown {what} {value!r}: choose from {', '.join(allowed)}")
 
 
+_SHOWN_DIMS = 4  # the handshake carries this many dimensions, and a checksum of all
+
+
+def _shape_fields(shape: tuple) -> List[int]:
+    shown = list(shape[:_SHOWN_DIMS]) + [-1] * (_SHOWN_DIMS - min(len(shape), _SHOWN_DIMS))
+    return [len(shape)] + shown + [zlib.crc32(repr(shape).encode())]
+
+
+def _shape_text(fields: List[int]) -> str:
+    ndim, dims = fields[0], fields[1:1 + min(fields[0], _SHOWN_DIMS)]
+    inner = ", ".join(map(str, dims)) + (", ..." if ndim > _SHOWN_DIMS else "")
+    return f"({inner}{',' if ndim == 1 else ''})"
+
+
 def _describe(row: List[int]) -> str:
-    collective, op, algorithm, dtype, numel, root = row
-    parts = [_COLLECTIVES[collective], f"numel={numel}",
+    collective, op, algorithm, dtype, numel, root, sequence = row[:7]
+    parts = [_COLLECTIVES[collective], f"numel={numel}", f"shape={_shape_text(row[7:])}",
              f"dtype={str(SUPPORTED_DTYPES[dtype]).replace('torch.', '')}"]
     if op >= 0:
         parts.append(f"op={REDUCE_OPS[op]}")
     parts.append(f"algorithm={list(_ALGORITHM_IDS)[algorithm]}")
     if root >= 0:
         parts.append(f"root={root}")
+    if sequence >= 0:
+        parts.insert(0, f"call #{sequence}:")
     return " ".join(parts)
 
 
@@ -59,23 +87,41 @@ def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
     """Every rank's `row` of integers, in rank order (one native all-reduce)."""
     table = torch.zeros(comm.world_size, len(row), dtype=torch.int64)
     table[comm.rank] = torch.tensor(row, dtype=torch.int64)
-    comm.native_all_reduce(table, "sum")  # each rank fills its own row: an all-gather
+    try:
+        comm.native_all_reduce(table, "sum")  # each rank fills its own row: an all-gather
+    except PeerError as error:
+        raise PeerError(f"argument check (native all_reduce): {error}") from error
     return table.tolist()
 
 
 def agree_on_call(comm: Transport, collective: str, tensor: torch.Tensor,
                   op: Optional[str], algorithm: str, root: int = -1) -> None:
     """Raise on every rank, naming both sides, if the ranks are not making the same call."""
+    sequence = getattr(comm, "calls", 0) if DEBUG else -1
     signature = [_COLLECTIVES.index(collective),
                  REDUCE_OPS.index(op) if op else -1,
                  _ALGORITHM_IDS[algorithm],
                  SUPPORTED_DTYPES.index(tensor.dtype),
-                 tensor.numel(), root]
+                 tensor.numel(), root, sequence] + _shape_fields(tuple(tensor.shape))
     rows = gather_rows(comm, signature)
     for peer, row in enumerate(rows):
         if row != rows[0]:
             raise RuntimeError(f"{collective}: ranks disagree: rank 0 called "
                                f"{_describe(rows[0])}, rank {peer} called {_describe(row)}")
+
+
+@contextlib.contextmanager
+def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, root=-1,
+            check=True):
+    """Run the handshake if asked (always in debug mode), count the call, and name the
+    collective in any PeerError raised inside."""
+    if check or DEBUG:
+        agree_on_call(comm, collective, tensor, op, algorithm, root)
+    comm.calls = getattr(comm, "calls", 0) + 1
+    try:
+        yield
+    except PeerError as error:
+        raise PeerError(f"{collective} ({algorithm}, call #{comm.calls}): {error}") from error
 
 
 def _run_reduction(comm: Transport, function, flat: torch.Tensor, op: str, *args) -> None:
@@ -109,10 +155,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
     chosen = _pick("all_reduce", algorithm, tensor, comm)
     if comm.world_size == 1:
         return tensor
-    if check:
-        agree_on_call(comm, "all_reduce", tensor, op, algorithm)
-    if tensor.numel():
-        _run_reduction(comm, algorithms.ALL_REDUCE[chosen], tensor.view(-1), op)
+    with _during(comm, "all_reduce", algorithm, tensor, op, check=check):
+        if tensor.numel():
+            _run_reduction(comm, algorithms.ALL_REDUCE[chosen], tensor.view(-1), op)
     return tensor
 
 
@@ -126,10 +171,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "auto",
     chosen = _pick("broadcast", algorithm, tensor, comm)
     if comm.world_size == 1:
         return tensor
-    if check:
-        agree_on_call(comm, "broadcast", tensor, None, algorithm, root=src)
-    if tensor.numel():
-        algorithms.BROADCAST[chosen](comm, tensor.view(-1), src)
+    with _during(comm, "broadcast", algorithm, tensor, root=src, check=check):
+        if tensor.numel():
+            algorithms.BROADCAST[chosen](comm, tensor.view(-1), src)
     return tensor
 
 
@@ -148,10 +192,9 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                          f"{input.numel()} of {input.dtype}")
     chosen = _pick("reduce_scatter", algorithm, input, comm)
     if comm.world_size > 1:
-        if check:
-            agree_on_call(comm, "reduce_scatter", input, op, algorithm)
-        if input.numel():
-            _run_reduction(comm, algorithms.REDUCE_SCATTER[chosen], input.view(-1), op)
+        with _during(comm, "reduce_scatter", algorithm, input, op, check=check):
+            if input.numel():
+                _run_reduction(comm, algorithms.REDUCE_SCATTER[chosen], input.view(-1), op)
     mine = input.view(-1)[comm.rank * output.numel():(comm.rank + 1) * output.numel()]
     output.view(-1).copy_(mine)
     return output
@@ -180,10 +223,9 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
     flat[comm.rank * count:(comm.rank + 1) * count].copy_(input.view(-1))
     chosen = _pick("all_gather", algorithm, flat, comm)
     if n > 1:
-        if check:
-            agree_on_call(comm, "all_gather", input, None, algorithm)
-        if count:
-            algorithms.ALL_GATHER[chosen](comm, flat)
+        with _during(comm, "all_gather", algorithm, input, check=check):
+            if count:
+                algorithms.ALL_GATHER[chosen](comm, flat)
     if isinstance(output, (list, tuple)):
         for slot, tensor in enumerate(output):
             tensor.view(-1).copy_(flat[slot * count:(slot + 1) * count])
@@ -220,3 +262,14 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str = "avg",
     if comm.world_size > 1:
         _through_flat_buffers(tensors, lambda flat: all_reduce(flat, op, algorithm, comm,
                                                                check=False))
+
+
+def all_finite(tensors: Sequence[Optional[torch.Tensor]], comm: Optional[Transport] = None) -> bool:
+    """True when every tensor on every rank is finite: one tiny all-reduce, so all ranks
+    get the same answer and can skip a step together without diverging."""
+    comm = comm or get_comm()
+    local_bad = any(t is not None and not bool(torch.isfinite(t).all()) for t in tensors)
+    flag = torch.tensor([1 if local_bad else 0], dtype=torch.int32)
+    if comm.world_size > 1:
+        all_reduce(flag, op="max", algorithm="native", comm=comm, check=False)
+    return flag.item() == 0

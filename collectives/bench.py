@@ -302,8 +302,15 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     validate(p, args)
-    from .launch import detect_launch
-    launched = detect_launch().world_size > 1
+    from .launch import LaunchError, detect_launch
+    try:
+        info = detect_launch()
+    except LaunchError as error:
+        p.error(str(error))
+    launched = info.world_size > 1
+    if launched and args.nproc is not None and args.nproc != info.world_size:
+        p.error(f"--nproc {args.nproc} but the launcher ({info.launcher}) started "
+                f"{info.world_size} ranks: drop --nproc under a launcher")
     if args.nproc and args.nproc > 1 and not launched:
         if args.backend == "mpi":  # let the matching mpirun start the ranks
             from .mpi_launcher import mpirun_command

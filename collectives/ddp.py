@@ -51,6 +51,19 @@ def check_same_model(module: nn.Module, comm: Transport) -> None:
                                       " (same sizes, different names, shapes or dtypes)"))
 
 
+def check_same_buckets(bucketer: Bucketer, comm: Transport) -> None:
+    """Raise on every rank if the ranks cut their gradients into different buckets."""
+    sizes = [bucket.buffer.numel() for bucket in bucketer.buckets]
+    rows = gather_rows(comm, [len(sizes), zlib.crc32(repr(sizes).encode())])
+    for peer, other in enumerate(rows):
+        if other != rows[0]:
+            raise RuntimeError(
+                f"the gradient buckets differ across ranks: rank 0 has {rows[0][0]} buckets, "
+                f"rank {peer} has {other[0]}" + ("" if other[0] != rows[0][0] else
+                                                  " of other sizes")
+                + ": is bucket_cap_mb the same on every rank?")
+
+
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper with torch DDP's constructor arguments and behaviour.
 
@@ -86,6 +99,7 @@ class DistributedDataParallel(nn.Module):
                                      gradient_as_bucket_view=gradient_as_bucket_view,
                                      find_unused_parameters=find_unused_parameters,
                                      names=names)
+            check_same_buckets(self.bucketer, self.comm)
 
     def forward(self, *inputs, **kwargs):
         if self.broadcast_buffers and self.sync.forward_buffer_sync:

@@ -49,7 +49,8 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
               init_timeout=60.0, may_die=()):
     """Run function(comm, *args) on `world_size` ranks; return the per-rank results.
 
-    Ranks listed in `may_die` are allowed to exit without a result (their slot is None).
+    Ranks listed in `may_die` are not waited for: they may die, hang or report (their
+    slot is None unless they reported before the others finished).
     """
     context = mp.get_context("spawn")
     results = context.Queue()
@@ -63,7 +64,7 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
     deadline = time.monotonic() + timeout
     values = {}
     try:
-        while len(values) < world_size - len(may_die):
+        while any(rank not in values for rank in range(world_size) if rank not in may_die):
             try:
                 rank, status, value = results.get(timeout=0.5)
             except queue.Empty:

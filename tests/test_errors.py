@@ -50,3 +50,29 @@ def test_errors_from_code_are_still_exceptions():
             "except collectives.LaunchError as e:\n    print('caught', e)")
     result = run_init("bogus", {}, code)
     assert result.returncode == 0 and result.stdout.startswith("caught unknown backend")
+
+
+@pytest.mark.timeout(120)
+def test_bench_nproc_that_disagrees_with_the_launcher(tmp_path):
+    from collectives.mpi_launcher import find_mpirun
+    result = subprocess.run([find_mpirun()[0], "-np", "2", sys.executable, "-m",
+                             "collectives.bench", "--nproc", "3", "--json", "out.jsonl"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    assert result.returncode != 0
+    assert "--nproc 3 but the launcher (mpich) started 2 ranks" in result.stderr
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("env, line", [
+    ({"RANK": "3", "WORLD_SIZE": "2"}, "trainer: error: RANK=3 must be below WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "trainer: error: MASTER_ADDR and MASTER_PORT are not set"),
+])
+def test_trainer_launch_errors_exit_2_with_one_line(env, line, tmp_path):
+    clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    result = subprocess.run([sys.executable, "-m", "trainer", "--metrics", "m.jsonl",
+                             "--checkpoint-dir", "ckpt"], env={**clean, **env}, cwd=tmp_path,
+                            capture_output=True, text=True, timeout=100)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith(line), result.stderr
+    assert os.listdir(tmp_path) == []

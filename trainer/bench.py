@@ -17,7 +17,8 @@ random 28x28 images with the trainer's model:
                   (compute_ms + comm_ms - step_ms) / comm_ms, clipped to [0, 1]
     images_per_s  world_size x batch size / mean step time
 
-Times are the slowest rank's over the timed steps.
+All variants are built first and timed in alternating rounds, so that slow periods of
+a shared machine hit every variant alike. Times are the slowest rank's.
 """
 from __future__ import annotations
 
@@ -44,72 +45,80 @@ def _slowest(comm, samples):
     return value[0].item(), value[1].item()
 
 
-def _timed_steps(comm, step, warmup, steps):
-    for _ in range(warmup):
-        step()
-    samples = []
-    for _ in range(steps):
-        comm.barrier()
-        started = time.perf_counter()
-        step()
-        samples.append(time.perf_counter() - started)
-    return _slowest(comm, samples)
+def _time_once(comm, step) -> float:
+    comm.barrier()
+    started = time.perf_counter()
+    step()
+    return time.perf_counter() - started
 
 
-def measure(comm, sync_name, args):
-    torch.manual_seed(0)
-    model = build_model(args.model, 1, 10, 28)
-    if sync_name == "ddp":
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
-    else:
-        strategy = sync_registry.create(sync_name, algorithm=args.algorithm)
-        wrapped = collectives.DistributedDataParallel(model, sync=strategy,
-                                                      bucket_cap_mb=args.bucket_mb, comm=comm)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    images = torch.randn(args.batch_size, 1, 28, 28)
-    labels = torch.randint(0, 10, (args.batch_size,))
-    strategy = getattr(wrapped, "sync", None)
-    steps_done = [0]
+class Variant:
+    """One sync's model, optimizer and the three things timed for it."""
 
-    def train_step():  # the trainer's order: backward, after_backward, step, after_step
-        optimizer.zero_grad()
-        F.cross_entropy(wrapped(images), labels).backward()
-        if strategy is not None:
-            strategy.after_backward(model)
-        optimizer.step()
-        steps_done[0] += 1
-        if strategy is not None:
-            strategy.after_step(model, steps_done[0])
+    def __init__(self, comm, sync_name, args):
+        self.name = sync_name
+        torch.manual_seed(0)
+        self.model = build_model(args.model, 1, 10, 28)
+        if sync_name == "ddp":
+            self.wrapped = torch.nn.parallel.DistributedDataParallel(
+                self.model, bucket_cap_mb=args.bucket_mb)
+            self.strategy = None
+        else:
+            self.strategy = sync_registry.create(sync_name, algorithm=args.algorithm)
+            self.wrapped = collectives.DistributedDataParallel(
+                self.model, sync=self.strategy, bucket_cap_mb=args.bucket_mb, comm=comm)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.images = torch.randn(args.batch_size, 1, 28, 28)
+        self.labels = torch.randint(0, 10, (args.batch_size,))
+        self.steps_done = 0
+        self.samples = {"step": [], "compute": [], "comm": []}
+        # Overlap is defined for gradient all-reduce every step (ddp and allreduce).
+        self.buffers = (_bucket_buffers(self.wrapped, self.model, sync_name)
+                        if sync_name in ("ddp", "allreduce") else None)
 
-    def compute_only_step():
-        with wrapped.no_sync():
-            train_step()
+    def train_step(self):  # the trainer's order: backward, after_backward, step, after_step
+        self.optimizer.zero_grad()
+        F.cross_entropy(self.wrapped(self.images), self.labels).backward()
+        if self.strategy is not None:
+            self.strategy.after_backward(self.model)
+        self.optimizer.step()
+        self.steps_done += 1
+        if self.strategy is not None:
+            self.strategy.after_step(self.model, self.steps_done)
 
-    # A step's time is the median over the timed steps; local-sgd's averaging every H
-    # steps is included in the mean, so report the mean for it (see `mean_step_ms`).
-    step, mean_step = _timed_steps(comm, train_step, args.warmup, args.steps)
-    compute, _ = _timed_steps(comm, compute_only_step, 1, args.steps)
-    row = dict(sync=sync_name, world_size=comm.world_size, model=args.model,
-               batch_size=args.batch_size,
-               images_per_s=comm.world_size * args.batch_size / mean_step,
-               step_ms=step * 1e3, mean_step_ms=mean_step * 1e3, compute_ms=compute * 1e3,
-               comm_ms=None, hidden_share=None)
-    if sync_name in ("ddp", "allreduce"):  # gradient all-reduce every step: overlap is defined
-        buffers = _bucket_buffers(wrapped, model, sync_name)
+    def compute_only_step(self):
+        with self.wrapped.no_sync():
+            self.train_step()
 
-        def comm_only():
-            for flat in buffers:
-                if sync_name == "ddp":
-                    dist.all_reduce(flat)
-                else:
-                    wrapped.sync.reduce_bucket(flat)
+    def comm_only(self):
+        for flat in self.buffers:
+            if self.name == "ddp":
+                dist.all_reduce(flat)
+            else:
+                self.wrapped.sync.reduce_bucket(flat)
 
-        communication, _ = _timed_steps(comm, comm_only, 1, args.steps)
-        hidden = (compute + communication - step) / communication
-        row.update(comm_ms=communication * 1e3, hidden_share=min(1.0, max(0.0, hidden)))
-    if strategy is not None:
-        strategy.close()  # background rounds (async-avg, delayed) end together
-    return row
+    def round(self, comm, steps):
+        for _ in range(steps):
+            self.samples["step"].append(_time_once(comm, self.train_step))
+        self.samples["compute"].append(_time_once(comm, self.compute_only_step))
+        if self.buffers is not None:
+            self.samples["comm"].append(_time_once(comm, self.comm_only))
+
+    def row(self, comm, args):
+        step, mean_step = _slowest(comm, self.samples["step"])
+        compute, _ = _slowest(comm, self.samples["compute"])
+        row = dict(sync=self.name, world_size=comm.world_size, model=args.model,
+                   batch_size=args.batch_size,
+                   images_per_s=comm.world_size * args.batch_size / mean_step,
+                   step_ms=step * 1e3, mean_step_ms=mean_step * 1e3, compute_ms=compute * 1e3,
+                   comm_ms=None, hidden_share=None)
+        if self.buffers is not None:
+            communication, _ = _slowest(comm, self.samples["comm"])
+            hidden = (compute + communication - step) / communication
+            row.update(comm_ms=communication * 1e3, hidden_share=min(1.0, max(0.0, hidden)))
+        if self.strategy is not None:
+            self.strategy.close()  # background rounds (async-avg, delayed) end together
+        return row
 
 
 def _bucket_buffers(wrapped, model, sync_name):
@@ -127,11 +136,18 @@ def rank_main(args):
     rows = []
     if comm.rank == 0:
         print(f"# trainer.bench: {args.model}, {comm.world_size} ranks, batch {args.batch_size} "
-              f"per rank, {args.steps} timed steps")
+              f"per rank, {args.rounds} rounds of {args.steps} timed steps each, alternating")
         print(f"{'sync':>12} {'img/s':>8} {'step ms':>9} {'mean ms':>9} {'compute ms':>11} "
               f"{'comm ms':>9} {'hidden':>7}")
-    for name in args.sync:
-        row = measure(comm, name, args)
+    variants = [Variant(comm, name, args) for name in args.sync]
+    for variant in variants:  # warm up: allocations, connections, bucket rebuilds
+        for _ in range(args.warmup):
+            variant.train_step()
+    for _ in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
+        for variant in variants:
+            variant.round(comm, args.steps)
+    for variant in variants:
+        row = variant.row(comm, args)
         rows.append(row)
         if comm.rank == 0:
             comm_ms = "-" if row["comm_ms"] is None else f"{row['comm_ms']:.1f}"
@@ -163,7 +179,10 @@ def main(argv=None):
                    help="comma list: ddp (torch's) and names of our strategies")
     p.add_argument("--model", default="resnet18", choices=ARCHITECTURES)
     p.add_argument("--batch-size", type=int, default=32, help="images per rank (default 32)")
-    p.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    p.add_argument("--steps", type=int, default=3,
+                   help="timed steps per sync in each round (default 3)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds; each times every sync in turn (default 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--algorithm", default="auto", help="our collective algorithm (default auto)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
@@ -172,8 +191,8 @@ def main(argv=None):
     for name in args.sync:
         if name != "ddp" and name not in sync_registry.available():
             p.error(f"unknown sync {name!r}: choose from ddp, {', '.join(sync_registry.available())}")
-    if args.nproc < 2 or args.steps < 1 or args.batch_size < 1:
-        p.error("--nproc must be at least 2, --steps and --batch-size at least 1")
+    if args.nproc < 2 or min(args.steps, args.rounds, args.batch_size) < 1:
+        p.error("--nproc must be at least 2; --steps, --rounds and --batch-size at least 1")
     import torch.multiprocessing as mp
     from collectives.bootstrap import _free_port
     mp.spawn(_spawned, args=(args.nproc, _free_port(), args), nprocs=args.nproc)

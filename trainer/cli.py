@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="micro-batches per optimizer step, synchronised only on the last "
                             "(default: 1)")
     optim.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    optim.add_argument("--skip-nonfinite", action="store_true",
+                       help="when any rank's gradients hold inf or NaN, skip that step on every "
+                            "rank together (with a warning) instead of applying it")
 
     comm = p.add_argument_group("communication")
     comm.add_argument("--sync", default="allreduce", choices=sync.available(),

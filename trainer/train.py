@@ -71,6 +71,15 @@ def background_comm_seconds(ddp, strategy) -> float:
 
 
 def main(argv=None) -> None:
+    """Run training; a peer that fails ends this rank with one line and exit code 1."""
+    try:
+        train(argv)
+    except collectives.PeerError as error:
+        print(f"trainer: error: rank {collectives.get_comm().rank}: {error}", file=sys.stderr)
+        sys.exit(1)
+
+
+def train(argv=None) -> None:
     args = parse_args(argv)  # a bad flag: argparse's error, exit 2
     try:  # everything that can be wrong is checked before anything is written
         split = data.load(args.dataset, args.data_dir, args.train_samples, args.test_samples)
@@ -79,7 +88,10 @@ def main(argv=None) -> None:
     if args.resume and not os.path.isfile(args.resume):
         fail(f"--resume {args.resume}: no such checkpoint file")
 
-    comm = collectives.init(backend=args.backend, timeout=args.timeout)
+    try:
+        comm = collectives.init(backend=args.backend, timeout=args.timeout)
+    except collectives.LaunchError as error:
+        fail(str(error))
     device, rank, world = comm.device, comm.rank, comm.world_size
     say = print if rank == 0 else (lambda *a, **k: None)
     seed_everything(args.seed)
@@ -151,6 +163,14 @@ def main(argv=None) -> None:
                 hook_started = time.perf_counter()
                 strategy.after_backward(model)
                 blocked += time.perf_counter() - hook_started
+                if args.skip_nonfinite and not collectives.all_finite(
+                        [p.grad for p in model.parameters()], comm):
+                    say(f"warning: step {step + 1}: non-finite gradients on some rank; "
+                        "skipping this step on every rank", file=sys.stderr)
+                    optimizer.zero_grad(set_to_none=True)
+                    if scaler.is_enabled():
+                        scaler.update(scaler.get_scale() * 0.5)
+                    continue
                 scaler.step(optimizer)
                 scaler.update()
                 schedule.step()

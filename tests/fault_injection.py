@@ -1,0 +1,331 @@
+"""Fault injection: kill, stall or mislead a rank and see how the others fail.
+
+Each case returns a list of Outcome (one per run) saying whether every surviving rank
+failed the way it should (a clear error, non-zero, naming what it waited for) and how
+long that took. tests/test_faults.py runs each case once; this file, run directly,
+repeats them and prints the table in docs/reliability.md:
+
+    python tests/fault_injection.py --runs 5
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from distributed import run_world  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TIMEOUT = 5.0  # the init timeout the cases run with
+
+
+@dataclass
+class Outcome:
+    ok: bool
+    seconds: float  # from the fault to the last surviving rank's error
+    detail: str
+
+
+# --- helpers that run on the ranks -------------------------------------------------------
+def _kill_self_after(delay: float, stamp: str) -> None:
+    """SIGKILL this process `delay` seconds from now, writing the time first."""
+    def kill():
+        with open(stamp, "w") as out:
+            out.write(repr(time.time()))
+        os.kill(os.getpid(), signal.SIGKILL)
+    threading.Timer(delay, kill).start()
+
+
+def _failure(error: BaseException) -> tuple:
+    return (type(error).__name__, str(error).splitlines()[0][:300], time.time())
+
+
+def _big_model():
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Linear(512, 512) for _ in range(8)])
+
+
+def rank_kill_during_all_reduce(comm, stamp):
+    import collectives
+    if comm.rank == 1:
+        _kill_self_after(0.3, stamp)
+    try:
+        for _ in range(10000):
+            collectives.all_reduce(torch.ones(1 << 20), algorithm="ring", check=False)
+    except Exception as error:
+        return _failure(error)
+    return None
+
+
+def rank_kill_during_backward(comm, stamp):
+    import collectives
+    model = collectives.DistributedDataParallel(_big_model(), comm=comm)
+    if comm.rank == 1:  # die inside backward, once the last layer's gradient exists
+        model.module[-1].weight.register_hook(lambda grad: _kill_self_after(0.0, stamp))
+    try:
+        for _ in range(100):
+            model(torch.randn(64, 512)).sum().backward()
+    except Exception as error:
+        return _failure(error)
+    return None
+
+
+def rank_kill_during_startup_broadcast(comm, stamp):
+    import collectives
+    from collectives import ddp
+    if comm.rank == 1:
+        def die(*args, **kwargs):
+            _kill_self_after(0.0, stamp)
+            time.sleep(10)
+        ddp.broadcast_coalesced = die
+    try:  # the root may finish its sends before noticing; it fails at its first step
+        model = collectives.DistributedDataParallel(_big_model(), comm=comm)
+        model(torch.randn(64, 512)).sum().backward()
+    except Exception as error:
+        return _failure(error)
+    return None
+
+
+def rank_stall_during_all_reduce(comm, stamp):
+    import collectives
+    if comm.rank == 1:
+        with open(stamp, "w") as out:
+            out.write(repr(time.time()))
+        time.sleep(60)  # a hung rank: alive, connected, silent
+    try:
+        collectives.all_reduce(torch.ones(1 << 16), algorithm="ring", check=False)
+    except Exception as error:
+        return _failure(error)
+    return None
+
+
+def rank_mismatch(comm, stamp, kind):
+    import collectives
+    started = time.time()
+    if comm.rank == 0:
+        with open(stamp, "w") as out:
+            out.write(repr(started))
+    try:
+        if kind == "numel":
+            collectives.all_reduce(torch.ones(100 + comm.rank))
+        elif kind == "dtype":
+            collectives.all_reduce(torch.ones(100, dtype=torch.float32 if comm.rank else
+                                              torch.float64))
+        elif kind == "shape":
+            collectives.all_reduce(torch.ones((10, 20) if comm.rank else (20, 10)))
+        elif kind == "model":
+            collectives.DistributedDataParallel(nn.Linear(10, 10 + comm.rank), comm=comm)
+        elif kind == "buckets":
+            collectives.DistributedDataParallel(_big_model(), comm=comm,
+                                                bucket_cap_mb=1 + comm.rank)
+        elif kind == "debug-divergence":  # rank 1 skips a call: debug mode names it
+            if comm.rank != 1:
+                collectives.all_reduce(torch.ones(8), check=False)
+            collectives.broadcast(torch.ones(8), check=False)
+    except Exception as error:
+        return _failure(error)
+    return None
+
+
+# --- the cases, as seen from outside -------------------------------------------------------
+def _run_rank_case(function, extra=(), world_size=3, expect=("PeerError",), words=("rank",),
+                   debug=False, victim=1):
+    """Run `function` on every rank; rank `victim` is the one that dies or stalls (None:
+    nobody does). Every other rank must fail with `expect`, its message holding `words`."""
+    with tempfile.TemporaryDirectory() as folder:
+        stamp = os.path.join(folder, "fault_time")
+        if debug:
+            os.environ["COLLECTIVES_DEBUG"] = "DETAIL"
+        try:
+            results = run_world(function, world_size, (stamp, *extra), timeout=60,
+                                init_timeout=TIMEOUT,
+                                may_die=() if victim is None else (victim,))
+        finally:
+            os.environ.pop("COLLECTIVES_DEBUG", None)
+        with open(stamp) as text:
+            fault_time = float(text.read())
+    survivors = [r for rank, r in enumerate(results) if rank != victim]
+    ok = all(r is not None and r[0] in expect and all(w in r[1] for w in words)
+             for r in survivors)
+    seconds = max(r[2] for r in survivors if r is not None) - fault_time if survivors else 0.0
+    detail = next((r[1] for r in survivors if r is not None), "no error")
+    return Outcome(ok, seconds, detail)
+
+
+def case_kill_during_all_reduce():
+    return _run_rank_case(rank_kill_during_all_reduce, words=("all_reduce (ring", "rank"))
+
+
+def case_kill_during_backward():
+    return _run_rank_case(rank_kill_during_backward, words=("all_reduce", "rank"))
+
+
+def case_kill_during_startup_broadcast():
+    # Survivors fail in the broadcast, or (if gloo's broadcast reached them first) in the
+    # next start-up step, the bucket agreement check: both are named. gloo's own
+    # collectives report the peer's socket address, not its rank.
+    return _run_rank_case(rank_kill_during_startup_broadcast, words=())
+
+
+def case_stall_during_all_reduce():
+    # Each survivor names the rank it was waiting on: rank 2 names rank 1, and rank 0
+    # names rank 2 (its left neighbour in the ring, itself stuck on rank 1).
+    return _run_rank_case(rank_stall_during_all_reduce, words=("all_reduce (ring", "rank",
+                                                               "Timed out"))
+
+
+def _mismatch_case(kind, words, debug=False):
+    def case():
+        return _run_rank_case(rank_mismatch, (kind,), world_size=2, expect=("RuntimeError",),
+                              words=words, debug=debug, victim=None)
+    return case
+
+
+def case_checkpoint_killed_during_saves(runs=10):
+    """SIGKILL a process that keeps saving checkpoints, at random moments; load after."""
+    code = ("import sys, torch; sys.path.insert(0, {root!r}); from trainer import checkpoint\n"
+            "for version in range(10**6):\n"
+            "    checkpoint.save_atomically({{'version': version, 'weights': "
+            "torch.full((4_000_000,), float(version))}}, {path!r})\n")
+    outcomes = []
+    for trial in range(runs):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "checkpoint.pt")
+            writer = subprocess.Popen([sys.executable, "-c", code.format(root=ROOT, path=path)])
+            deadline = time.time() + 60
+            while not os.path.exists(path) and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(random.uniform(0.0, 1.5))  # then die at a random moment
+            writer.send_signal(signal.SIGKILL)
+            writer.wait()
+            started = time.time()
+            from trainer import checkpoint
+            try:
+                state = checkpoint.load(path)
+                ok = bool((state["weights"] == state["version"]).all())
+                detail = f"loaded version {state['version']}"
+            except Exception as error:  # a torn file would land here
+                ok, detail = False, f"{type(error).__name__}: {error}"
+            leftovers = [name for name in os.listdir(folder) if name != "checkpoint.pt"]
+            outcomes.append(Outcome(ok, time.time() - started,
+                                    detail + (f", temporary files left: {len(leftovers)}"
+                                              if leftovers else "")))
+    return outcomes
+
+
+def case_resume_after_kill():
+    """Kill a 2-rank training run during epoch 2; resume; compare with a straight run."""
+    from collectives.mpi_launcher import find_mpirun
+    mpirun = find_mpirun()[0]
+    flags = ["--train-samples", "128", "--test-samples", "32", "--batch-size", "16",
+             "--epochs", "2", "--backend", "gloo"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory() as folder:
+        def trainer(*extra):
+            return [mpirun, "-np", "2", sys.executable, "-m", "trainer", *flags, *extra]
+        subprocess.run(trainer("--checkpoint-dir", "straight"), cwd=folder, env=env, check=True,
+                       capture_output=True, timeout=300)
+        job = subprocess.Popen(trainer("--checkpoint-dir", "killed"), cwd=folder, env=env,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                               start_new_session=True)
+        saved = os.path.join(folder, "killed", "checkpoint.pt")
+        deadline = time.time() + 300
+        while not os.path.exists(saved) and time.time() < deadline and job.poll() is None:
+            time.sleep(0.1)
+        time.sleep(1.0)  # into epoch 2
+        os.killpg(job.pid, signal.SIGKILL)  # the whole job, mpirun and ranks
+        job.wait()
+        started = time.time()
+        subprocess.run(trainer("--checkpoint-dir", "killed", "--resume", "killed/checkpoint.pt"),
+                       cwd=folder, env=env, check=True, capture_output=True, timeout=300)
+        straight = torch.load(os.path.join(folder, "straight", "checkpoint.pt"),
+                              weights_only=False)
+        resumed = torch.load(saved, weights_only=False)
+        same = all(torch.equal(t, resumed["model"][k]) for k, t in straight["model"].items())
+        return Outcome(same and resumed["epoch"] == 2, time.time() - started,
+                       "bitwise equal to the uninterrupted run" if same else "differs")
+
+
+def rank_nonfinite(comm, stamp):
+    import collectives
+    with open(stamp, "w") as out:
+        out.write(repr(time.time()))
+    torch.manual_seed(0)
+    model = collectives.DistributedDataParallel(nn.Linear(8, 2), comm=comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    skipped = 0
+    for step in range(5):
+        optimizer.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step * 10 + comm.rank))
+        if step == 2 and comm.rank == 1:
+            x[0, 0] = float("nan")  # one rank's batch is poisoned
+        F.mse_loss(model(x), torch.zeros(4, 2)).backward()
+        if collectives.all_finite([p.grad for p in model.parameters()], comm):
+            optimizer.step()
+        else:
+            skipped += 1
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    return ("skipped", f"{skipped} skipped, finite={bool(torch.isfinite(weights).all())}, "
+            f"sum={weights.sum().item():.9f}", time.time())
+
+
+def case_nonfinite_skipped_together():
+    with tempfile.TemporaryDirectory() as folder:
+        stamp = os.path.join(folder, "t")
+        results = run_world(rank_nonfinite, 2, (stamp,), timeout=60)
+    details = {r[1] for r in results}
+    ok = len(details) == 1 and details.pop().startswith("1 skipped, finite=True")
+    return Outcome(ok, 0.0, results[0][1])
+
+
+CASES = {
+    "rank SIGKILLed during an all-reduce": case_kill_during_all_reduce,
+    "rank SIGKILLed during backward (bucketed all-reduce)": case_kill_during_backward,
+    "rank SIGKILLed during the start-up broadcast": case_kill_during_startup_broadcast,
+    "rank stalls (alive, silent) during an all-reduce": case_stall_during_all_reduce,
+    "numel differs": _mismatch_case("numel", ("numel=100", "numel=101")),
+    "dtype differs": _mismatch_case("dtype", ("float64", "float32")),
+    "shape differs (same numel)": _mismatch_case("shape", ("shape=(20, 10)", "shape=(10, 20)")),
+    "a different model": _mismatch_case("model", ("the model differs across ranks",)),
+    "bucket layout differs": _mismatch_case("buckets", ("the gradient buckets differ",)),
+    "debug mode: a rank skips a call": _mismatch_case(
+        "debug-divergence", ("call #0", "all_reduce", "broadcast"), debug=True),
+    "SIGKILL during checkpoint saves": case_checkpoint_killed_during_saves,
+    "resume after SIGKILL in epoch 2": case_resume_after_kill,
+    "non-finite gradient on one rank (skip together)": case_nonfinite_skipped_together,
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5, help="runs per case (default 5)")
+    parser.add_argument("--cases", help="comma list of case-name substrings (default all)")
+    args = parser.parse_args()
+    print("| case | runs | outcome | time to error (max) | detail |\n|---|---|---|---|---|")
+    for name, case in CASES.items():
+        if args.cases and not any(part in name for part in args.cases.split(",")):
+            continue
+        outcomes = []
+        for _ in range(1 if case is case_checkpoint_killed_during_saves else args.runs):
+            result = case()
+            outcomes.extend(result if isinstance(result, list) else [result])
+        good = sum(o.ok for o in outcomes)
+        print(f"| {name} | {len(outcomes)} | {good}/{len(outcomes)} as expected | "
+              f"{max(o.seconds for o in outcomes):.2f} s | {outcomes[-1].detail[:120]} |",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()
