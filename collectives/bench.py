@@ -108,7 +108,7 @@ class Runner:
         return sorted(means)[len(means) // 2]
 
     def measure(self, op: str, algorithm: str, nbytes: int) -> Dict:
-        comm, n, rank = self.comm, self.comm.world_size, self.comm.rank
+        comm, n = self.comm, self.comm.world_size
         element = torch.tensor([], dtype=self.dtype).element_size()
         count = max(1, nbytes // element)
         if op in ("reduce_scatter", "all_gather"):
@@ -290,14 +290,6 @@ def rank_main(args) -> None:
     collectives.destroy()
 
 
-def _spawned_rank(rank: int, world_size: int, port: int, args) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    rank_main(args)
-
-
 def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
@@ -320,10 +312,8 @@ def main(argv=None) -> int:
             command, env = mpirun_command(args.nproc, [sys.executable, "-m", "collectives.bench",
                                                        *rest])
             os.execvpe(command[0], command, env)
-        import torch.multiprocessing as mp
-        from .bootstrap import _free_port
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        mp.spawn(_spawned_rank, args=(args.nproc, _free_port(), args), nprocs=args.nproc)
+        from .spawn import spawn
+        spawn(rank_main, args.nproc, args)
         return 0
     rank_main(args)
     return 0

@@ -19,12 +19,14 @@ import os
 import re
 import socket
 import subprocess
+import sys
 from datetime import timedelta
 from typing import Optional, Union
 
 import torch
 
 from .launch import LaunchError, LaunchInfo, detect_launch
+from .spawn import free_port
 from .transport.base import Transport
 from .transport.local import LocalTransport
 
@@ -88,12 +90,6 @@ def _first_slurm_host(nodelist: str) -> str:
     return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
-
-
 def _rendezvous_address(info: LaunchInfo) -> tuple[str, int]:
     """Where rank 0's torch.distributed store listens: from the env, MPI or Slurm."""
     env = os.environ
@@ -113,7 +109,7 @@ def _rendezvous_address(info: LaunchInfo) -> tuple[str, int]:
         if world.Get_rank() == 0:
             single_host = info.local_world_size == info.world_size
             host = "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname())
-            address = (host, _free_port())
+            address = (host, free_port())
         return world.bcast(address, root=0)
     if info.launcher == "slurm" and "SLURM_JOB_NODELIST" in env:
         port = 29500 + int(env.get("SLURM_JOB_ID", "0")) % 5000
@@ -199,3 +195,18 @@ def destroy() -> None:
     if _default is not None:
         _default.close()
     _default = None
+
+
+def abort(code: int = 1) -> None:
+    """End the job now, after a fatal communication error.
+
+    Under MPI this is MPI_Abort: mpirun then ends every rank, a hung one included (a
+    plain non-zero exit would leave mpirun waiting for it). Otherwise this process exits;
+    torchrun ends the other workers when one fails.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.COMM_WORLD.Abort(code)
+    os._exit(code)

@@ -25,7 +25,6 @@ import contextlib
 import zlib
 from typing import Optional
 
-import torch
 from torch import nn
 
 from .api import broadcast_coalesced, gather_rows

@@ -15,15 +15,10 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
-import socket
 import time
 import traceback
 
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+from collectives.spawn import free_port
 
 
 def _rank_main(function, rank, world_size, port, backend, init_timeout, args, results):

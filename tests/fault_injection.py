@@ -186,6 +186,34 @@ def case_stall_during_all_reduce():
                                                                "Timed out"))
 
 
+MPI_STALL = """
+import sys, time, torch, collectives
+comm = collectives.init(backend="mpi", timeout={timeout})
+if comm.rank == 1:
+    time.sleep(60)  # a hung rank
+started = time.time()
+try:
+    collectives.all_reduce(torch.ones(1 << 16), algorithm="ring", check=False)
+except collectives.PeerError as error:
+    sys.stderr.write(f"rank {{comm.rank}} after {{time.time() - started:.2f}} s: {{error}}\\n")
+    collectives.abort(1)  # MPI_Abort: mpirun ends the hung rank too
+"""
+
+
+def case_mpi_stall_under_mpirun():
+    """The mpi backend under real mpirun: a hung rank, the others time out and exit 1."""
+    from collectives.mpi_launcher import find_mpirun
+    started = time.time()
+    result = subprocess.run([find_mpirun()[0], "-np", "3", sys.executable, "-c",
+                             MPI_STALL.format(timeout=TIMEOUT)], capture_output=True,
+                            text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    seconds = time.time() - started
+    lines = [line for line in result.stderr.splitlines() if " after " in line]
+    ok = (result.returncode != 0 and 1 <= len(lines) <= 2  # the first abort may end the other
+          and all("all_reduce (ring" in line and "timed out" in line for line in lines))
+    return Outcome(ok, seconds, lines[0] if lines else result.stderr[-300:])
+
+
 def _mismatch_case(kind, words, debug=False):
     def case():
         return _run_rank_case(rank_mismatch, (kind,), world_size=2, expect=("RuntimeError",),
@@ -295,6 +323,7 @@ CASES = {
     "rank SIGKILLed during backward (bucketed all-reduce)": case_kill_during_backward,
     "rank SIGKILLed during the start-up broadcast": case_kill_during_startup_broadcast,
     "rank stalls (alive, silent) during an all-reduce": case_stall_during_all_reduce,
+    "mpi backend under mpirun: rank stalls": case_mpi_stall_under_mpirun,
     "numel differs": _mismatch_case("numel", ("numel=100", "numel=101")),
     "dtype differs": _mismatch_case("dtype", ("float64", "float32")),
     "shape differs (same numel)": _mismatch_case("shape", ("shape=(20, 10)", "shape=(10, 20)")),
@@ -318,7 +347,8 @@ def main() -> None:
         if args.cases and not any(part in name for part in args.cases.split(",")):
             continue
         outcomes = []
-        for _ in range(1 if case is case_checkpoint_killed_during_saves else args.runs):
+        once = case in (case_checkpoint_killed_during_saves, case_resume_after_kill)  # slow
+        for _ in range(1 if once else args.runs):
             result = case()
             outcomes.extend(result if isinstance(result, list) else [result])
         good = sum(o.ok for o in outcomes)

@@ -59,9 +59,12 @@ def test_short_run_in_each_launch_mode(launcher, tmp_path):
 
 @pytest.mark.timeout(400)
 def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
+    # Stopping after epoch 1 and resuming with --epochs 2 extends the run, so the lr must
+    # not depend on --epochs: a constant schedule. (A run killed and resumed with the
+    # same command, cosine schedule included, is tests/fault_injection.py's resume case.)
     mpirun = find_mpirun()[0]
     flags = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16",
-             "--backend", "gloo"]
+             "--backend", "gloo", "--schedule", "constant"]
     run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "2", "--checkpoint-dir", "straight")],
         tmp_path)
     run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "1", "--checkpoint-dir", "split")],
@@ -106,3 +109,31 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path
     assert message in last, result.stderr
     assert "Traceback" not in result.stderr
     assert os.listdir(tmp_path) == [], "something was written before the arguments were valid"
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("amp", ["bf16", "fp16"])
+def test_mixed_precision_runs(amp, tmp_path):
+    out = run(trainer(*TINY, "--amp", amp, "--metrics", "m.jsonl"), tmp_path)
+    (record,) = read_metrics(tmp_path / "m.jsonl")
+    assert record["train_loss"] == record["train_loss"], "loss is NaN"  # NaN != NaN
+    assert "done in" in out.stdout
+
+
+@pytest.mark.timeout(300)
+def test_imagefolder_dataset(tmp_path):
+    from PIL import Image
+    generator = torch.Generator().manual_seed(0)
+    for part, count in (("train", 24), ("val", 8)):
+        for label, colour in (("dark", 40), ("light", 200)):
+            folder = tmp_path / "images" / part / label
+            folder.mkdir(parents=True)
+            for index in range(count):
+                noise = torch.randint(0, 30, (40, 40, 3), generator=generator)
+                pixels = (noise + colour).clamp(0, 255).to(torch.uint8).numpy()
+                Image.fromarray(pixels).save(folder / f"{index}.png")
+    out = run(trainer("--dataset", "imagefolder", "--data-dir", "images", "--batch-size", "8",
+                      "--epochs", "1", "--metrics", "m.jsonl"), tmp_path)
+    assert "on imagefolder (48 images)" in out.stdout
+    (record,) = read_metrics(tmp_path / "m.jsonl")
+    assert 0.0 <= record["test_acc"] <= 1.0

@@ -1,11 +1,18 @@
 """The transport on gloo (spawned ranks) and in a world of one."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import collectives
 from checks_transport import check_transport
-from collectives.transport import LocalTransport
 from distributed import run_world
+
+LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
+                    "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
+                    "MASTER_ADDR", "MASTER_PORT")
 
 
 @pytest.mark.timeout(180)
@@ -14,24 +21,36 @@ def test_gloo_point_to_point_and_native(world_size):
     assert run_world(check_transport, world_size, timeout=150) == ["ok"] * world_size
 
 
-def test_world_of_one_needs_no_launcher(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID", "SLURM_NTASKS",
-                 "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK"):
-        monkeypatch.delenv(name, raising=False)
-    for backend in ("auto", "gloo", "mpi"):
-        comm = collectives.init(backend=backend)
-        assert isinstance(comm, LocalTransport)
-        assert (comm.rank, comm.world_size, comm.local_rank) == (0, 1, 0)
-        tensor = torch.arange(5.0)
-        for algorithm in ("auto", "ring", "halving-doubling", "tree", "naive", "native"):
-            for op in ("sum", "avg", "max", "min"):
-                collectives.all_reduce(tensor, op=op, algorithm=algorithm)
-                assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
-        collectives.broadcast(tensor, src=0)
-        comm.barrier()
-        with pytest.raises(ValueError, match="not another rank"):
-            comm.send(tensor, 0)
-        collectives.destroy()
+WORLD_OF_ONE = """
+import torch, collectives
+from collectives.transport import LocalTransport
+comm = collectives.init(backend={backend!r})
+assert isinstance(comm, LocalTransport), comm
+assert (comm.rank, comm.world_size, comm.local_rank) == (0, 1, 0)
+tensor = torch.arange(5.0)
+for algorithm in ("auto", "ring", "halving-doubling", "tree", "naive", "native"):
+    for op in ("sum", "avg", "max", "min"):
+        collectives.all_reduce(tensor, op=op, algorithm=algorithm)
+        assert tensor.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+collectives.broadcast(tensor, src=0)
+comm.barrier()
+try:
+    comm.send(tensor, 0)
+    raise SystemExit("send to myself did not raise")
+except ValueError as error:
+    assert "not another rank" in str(error)
+print("ok")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("backend", ["auto", "gloo", "mpi"])
+def test_world_of_one_needs_no_launcher(backend):
+    # A fresh process, as a user's script: no launcher variables at all.
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    result = subprocess.run([sys.executable, "-c", WORLD_OF_ONE.format(backend=backend)],
+                            env=env, capture_output=True, text=True, timeout=100)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
 def test_api_works_without_init_in_a_plain_process(monkeypatch):

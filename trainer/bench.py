@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 
@@ -162,14 +161,6 @@ def rank_main(args):
     collectives.destroy()
 
 
-def _spawned(rank, world_size, port, args):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    rank_main(args)
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
@@ -193,9 +184,8 @@ def main(argv=None):
             p.error(f"unknown sync {name!r}: choose from ddp, {', '.join(sync_registry.available())}")
     if args.nproc < 2 or min(args.steps, args.rounds, args.batch_size) < 1:
         p.error("--nproc must be at least 2; --steps, --rounds and --batch-size at least 1")
-    import torch.multiprocessing as mp
-    from collectives.bootstrap import _free_port
-    mp.spawn(_spawned, args=(args.nproc, _free_port(), args), nprocs=args.nproc)
+    from collectives.spawn import spawn
+    spawn(rank_main, args.nproc, args)
     return 0
 
 

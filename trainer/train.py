@@ -71,12 +71,12 @@ def background_comm_seconds(ddp, strategy) -> float:
 
 
 def main(argv=None) -> None:
-    """Run training; a peer that fails ends this rank with one line and exit code 1."""
+    """Run training; a peer that fails ends the job with one line per rank, exit code 1."""
     try:
         train(argv)
     except collectives.PeerError as error:
         print(f"trainer: error: rank {collectives.get_comm().rank}: {error}", file=sys.stderr)
-        sys.exit(1)
+        collectives.abort(1)  # under mpirun, ends every rank (a hung one too)
 
 
 def train(argv=None) -> None:

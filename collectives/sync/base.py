@@ -25,7 +25,7 @@ transport's counters say what it sent. Register a new one with `@register("name"
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Optional, Type
+from typing import Callable, Dict, Type
 
 import torch
 
