@@ -141,9 +141,10 @@ def rank_mismatch(comm, stamp, kind):
 
 # --- the cases, as seen from outside -------------------------------------------------------
 def _run_rank_case(function, extra=(), world_size=3, expect=("PeerError",), words=("rank",),
-                   debug=False, victim=1):
+                   debug=False, victim=1, some_say=""):
     """Run `function` on every rank; rank `victim` is the one that dies or stalls (None:
-    nobody does). Every other rank must fail with `expect`, its message holding `words`."""
+    nobody does). Every other rank must fail with `expect`, its message holding `words`,
+    and at least one message must hold `some_say`."""
     with tempfile.TemporaryDirectory() as folder:
         stamp = os.path.join(folder, "fault_time")
         if debug:
@@ -158,7 +159,7 @@ def _run_rank_case(function, extra=(), world_size=3, expect=("PeerError",), word
             fault_time = float(text.read())
     survivors = [r for rank, r in enumerate(results) if rank != victim]
     ok = all(r is not None and r[0] in expect and all(w in r[1] for w in words)
-             for r in survivors)
+             for r in survivors) and any(some_say in r[1] for r in survivors if r is not None)
     seconds = max(r[2] for r in survivors if r is not None) - fault_time if survivors else 0.0
     detail = next((r[1] for r in survivors if r is not None), "no error")
     return Outcome(ok, seconds, detail)
@@ -180,10 +181,10 @@ def case_kill_during_startup_broadcast():
 
 
 def case_stall_during_all_reduce():
-    # Each survivor names the rank it was waiting on: rank 2 names rank 1, and rank 0
-    # names rank 2 (its left neighbour in the ring, itself stuck on rank 1).
-    return _run_rank_case(rank_stall_during_all_reduce, words=("all_reduce (ring", "rank",
-                                                               "Timed out"))
+    # Each survivor names the rank it was waiting on: rank 2 times out on rank 1; rank 0,
+    # waiting on rank 2, times out too or sees rank 2's connection close when it exits.
+    return _run_rank_case(rank_stall_during_all_reduce, words=("all_reduce (ring", "rank"),
+                          some_say="Timed out")
 
 
 MPI_STALL = """
