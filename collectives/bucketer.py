@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from . import api
 from .transport import Transport
 
 MiB = 1 << 20
@@ -240,7 +241,7 @@ class Bucketer:
         flat = [p for b in self.buckets for p in b.params]
         ready = [r for b in self.buckets for r in b.ready]
         used = torch.tensor(ready, dtype=torch.int32)
-        self.comm.native_all_reduce(used, "max")
+        api.all_reduce(used, op="max", algorithm="auto", comm=self.comm, check=False)
         return {id(p) for p, u in zip(flat, used.tolist()) if not u}
 
     def _reset(self) -> None:

@@ -60,7 +60,7 @@ def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, am
             totals[1] += labels.numel()
             totals[2] += F.cross_entropy(logits.float(), labels, reduction="sum").item()
     model.train()
-    collectives.all_reduce(totals, op="sum", algorithm="native", comm=comm, check=False)
+    collectives.all_reduce(totals, op="sum", algorithm="auto", comm=comm, check=False)
     return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / max(totals[1].item(), 1)
 
 
@@ -184,7 +184,7 @@ def train(argv=None) -> None:
         train_seconds = time.perf_counter() - epoch_started
         accuracy, _ = evaluate(model, split.test, comm, device, args.batch_size, args.amp)
         train_loss = torch.tensor([float(np.mean(losses))], dtype=torch.float64)
-        collectives.all_reduce(train_loss, op="avg", algorithm="native", comm=comm, check=False)
+        collectives.all_reduce(train_loss, op="avg", algorithm="auto", comm=comm, check=False)
         busy = background_comm_seconds(ddp, strategy) - busy_before + blocked
         record = {"epoch": epoch, "train_loss": train_loss.item(), "test_acc": accuracy,
                   "images_per_s": len(losses) * args.batch_size * world / train_seconds,

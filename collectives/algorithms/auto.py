@@ -6,9 +6,10 @@ computes the same choice from the same numbers, so the ranks always agree.
 
 - Small messages are latency-bound. With few ranks, `naive` (everyone sends straight
   to rank 0, which sends the result straight back) needs the fewest message hops and
-  beat gloo's own all-reduce 3-4x at 4 ranks (1.1 vs 3.9 ms at 1 KiB); with more ranks
-  rank 0's link becomes the bottleneck and the binomial `tree` takes over. MPICH's own
-  all-reduce is quickest below 8 KiB.
+  beat gloo's own all-reduce 2-5x at 4 ranks (1.0 vs 5.2 ms at 1 KiB); with more ranks
+  rank 0's link becomes the bottleneck and the binomial `tree` takes over. With 2 ranks
+  below 64 KiB every algorithm is one exchange and gloo's own is as quick: native.
+  MPICH's own all-reduce is quickest below 8 KiB.
 - Medium messages (to 2 MiB): the `tree` (log2 n full-size hops, no chunking overhead).
 - Then the backend's own collective, up to where our pipelined `ring` wins: from
   16 MiB on gloo, 8 MiB on MPICH (where it reached 1.8 GB/s busbw against MPICH's
@@ -36,6 +37,8 @@ def all_reduce_choice(nbytes: int, world_size: int, backend: str) -> str:
         return "native" if nbytes < 8 * MiB else "ring"
     if backend == "nccl":
         return "native"  # NCCL's own kernels: not measured here (no GPU), so not overridden
+    if world_size == 2 and nbytes < 64 * KiB:
+        return "native"
     if nbytes < 512 * KiB:
         return _small(world_size)
     if nbytes < 2 * MiB:
