@@ -38,7 +38,6 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from . import api
 from .transport import Transport
 
 MiB = 1 << 20
@@ -241,7 +240,11 @@ class Bucketer:
         flat = [p for b in self.buckets for p in b.params]
         ready = [r for b in self.buckets for r in b.ready]
         used = torch.tensor(ready, dtype=torch.int32)
-        api.all_reduce(used, op="max", algorithm="auto", comm=self.comm, check=False)
+        # The backend's own collective, not one of ours: this runs on the training thread
+        # while the comm thread may still be exchanging an earlier bucket point-to-point
+        # with a rank whose buckets filled sooner, and a native collective never matches
+        # those messages (one made of send/recv could take them).
+        self.comm.native_all_reduce(used, "max")
         return {id(p) for p, u in zip(flat, used.tolist()) if not u}
 
     def _reset(self) -> None:
