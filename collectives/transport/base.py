@@ -11,7 +11,10 @@ underneath (gloo, nccl, mpi, or a world of one); nothing above it does. Algorith
     comm.native_all_reduce(t, op)  comm.native_broadcast(t, src)   the backend's own
 
 Messages between one pair of ranks arrive in the order they were sent (every backend
-here guarantees it), so algorithms need no tags.
+here guarantees it), so algorithms need no tags. The same ordering means two threads
+must not run send/recv-based collectives on one communicator at the same time (one
+could take the other's messages): a second thread uses its own, `comm.duplicate()`.
+The backends' native collectives never match point-to-point messages.
 
 Every transport counts the bytes it sends and receives in `comm.traffic`, so an
 algorithm or a sync strategy can report what it cost on the wire.
