@@ -21,7 +21,8 @@ algorithm or a sync strategy can report what it cost on the wire.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -41,22 +42,28 @@ class Traffic:
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
+    # a communicator and its duplicates share one Traffic, updated from several threads
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def reset(self) -> None:
-        self.bytes_sent = self.bytes_received = 0
-        self.messages_sent = self.messages_received = 0
+        with self.lock:
+            self.bytes_sent = self.bytes_received = 0
+            self.messages_sent = self.messages_received = 0
 
     def count_send(self, tensor: torch.Tensor) -> None:
-        self.bytes_sent += nbytes(tensor)
-        self.messages_sent += 1
+        with self.lock:
+            self.bytes_sent += nbytes(tensor)
+            self.messages_sent += 1
 
     def count_receive(self, tensor: torch.Tensor) -> None:
-        self.bytes_received += nbytes(tensor)
-        self.messages_received += 1
+        with self.lock:
+            self.bytes_received += nbytes(tensor)
+            self.messages_received += 1
 
     def count_native(self, sent: float, received: float) -> None:
-        self.bytes_sent += int(sent)
-        self.bytes_received += int(received)
+        with self.lock:
+            self.bytes_sent += int(sent)
+            self.bytes_received += int(received)
 
     def snapshot(self) -> "Traffic":
         return Traffic(self.bytes_sent, self.bytes_received,
@@ -203,8 +210,14 @@ class Transport:
 
         Collective: every rank must call it, in the same order. A background thread that
         communicates while the training thread does too needs its own communicator,
-        just as MPI codes use MPI_Comm_dup.
+        just as MPI codes use MPI_Comm_dup. The duplicate counts its bytes into this
+        communicator's `traffic`: it is still this rank's traffic.
         """
+        twin = self._duplicate()
+        twin.traffic = self.traffic
+        return twin
+
+    def _duplicate(self) -> "Transport":
         raise NotImplementedError
 
     def close(self) -> None:

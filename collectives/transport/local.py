@@ -23,7 +23,7 @@ class LocalTransport(Transport):
     def barrier(self) -> None:
         return None
 
-    def duplicate(self) -> "LocalTransport":
+    def _duplicate(self) -> "LocalTransport":
         return LocalTransport(self.device, self.timeout, self.backend)
 
     def _native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:

@@ -134,7 +134,7 @@ class MpiTransport(Transport):
         if work is not tensor:
             tensor.copy_(work)
 
-    def duplicate(self) -> "MpiTransport":
+    def _duplicate(self) -> "MpiTransport":
         return MpiTransport(self.local_rank, self.device, self.timeout, parent=self.comm)
 
     def close(self) -> None:

@@ -91,7 +91,7 @@ class TorchDistTransport(Transport):
         work = dist.broadcast(tensor, src, group=self.group, async_op=True)
         _TorchHandle(work, f"native broadcast from rank {src}", self.timeout).wait()
 
-    def duplicate(self) -> "TorchDistTransport":
+    def _duplicate(self) -> "TorchDistTransport":
         group = dist.new_group(backend=self.backend, timeout=self.timeout)
         return TorchDistTransport(self.backend, self.rank, self.world_size, self.local_rank,
                                   self.device, self.timeout, group)
