@@ -20,30 +20,26 @@ from __future__ import annotations
 KiB, MiB = 1 << 10, 1 << 20
 
 
-def _small(world_size: int) -> str:
-    return "naive" if world_size <= 4 else "tree"
+SMALL = "naive or tree"  # naive with at most 4 ranks, else tree (rank 0's link saturates)
+
+# For each backend: (messages below this many bytes, use this), checked in order.
+LADDERS = {
+    "mpi": [(8 * KiB, "native"), (512 * KiB, SMALL), (2 * MiB, "tree"), (8 * MiB, "native"),
+            (None, "ring")],
+    "gloo": [(512 * KiB, SMALL), (2 * MiB, "tree"), (16 * MiB, "native"), (None, "ring")],
+    "nccl": [(None, "native")],  # NCCL's own kernels: not measured here (no GPU), kept
+}
 
 
 def all_reduce_choice(nbytes: int, world_size: int, backend: str) -> str:
-    if world_size == 1:
+    if world_size == 1 or (backend == "gloo" and world_size == 2 and nbytes < 64 * KiB):
         return "native"
-    if backend == "mpi":
-        if nbytes < 8 * KiB:
-            return "native"
-        if nbytes < 512 * KiB:
-            return _small(world_size)
-        if nbytes < 2 * MiB:
-            return "tree"
-        return "native" if nbytes < 8 * MiB else "ring"
-    if backend == "nccl":
-        return "native"  # NCCL's own kernels: not measured here (no GPU), so not overridden
-    if world_size == 2 and nbytes < 64 * KiB:
-        return "native"
-    if nbytes < 512 * KiB:
-        return _small(world_size)
-    if nbytes < 2 * MiB:
-        return "tree"
-    return "native" if nbytes < 16 * MiB else "ring"
+    for below, choice in LADDERS.get(backend, LADDERS["gloo"]):
+        if below is None or nbytes < below:
+            if choice == SMALL:
+                return "naive" if world_size <= 4 else "tree"
+            return choice
+    raise AssertionError("every ladder ends with an unbounded step")
 
 
 def broadcast_choice(nbytes: int, world_size: int, backend: str) -> str:
