@@ -84,7 +84,8 @@ def local_size() -> int:
 
 
 def is_initialized() -> bool:
-    return True
+    from . import bootstrap
+    return bootstrap._default is not None
 
 
 def nccl_built() -> bool:
