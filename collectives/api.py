@@ -90,7 +90,7 @@ def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
     # Each rank fills its own row and the rows are summed: an all-gather. The message is
     # tiny, so it takes auto's small-message algorithm (gloo's own costs ~7 ms at 4 ranks).
     algorithm = algorithms.AUTO_CHOICE["all_reduce"](table.numel() * 8, comm.world_size,
-                                                     comm.backend)
+                                                     comm.name)
     try:
         algorithms.ALL_REDUCE[algorithm](comm, table.view(-1), "sum")
     except PeerError as error:
@@ -143,7 +143,7 @@ def _pick(collective: str, algorithm: str, tensor: torch.Tensor, comm: Transport
     if algorithm != "auto":
         return algorithm
     nbytes = tensor.numel() * tensor.element_size()
-    return algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.backend)
+    return algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",

@@ -36,7 +36,6 @@ from typing import Dict, List
 import torch
 
 from . import algorithms, api
-from .algorithms import ring
 
 BUS_FACTOR = {  # busbw / algbw, as nccl-tests
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -116,7 +115,8 @@ class Runner:
         step, wrong = self._build(op, algorithm, count)
         seconds = self._time(step)
         algbw = count * element / seconds / 1e9
-        return dict(op=op, algorithm=algorithm, backend=comm.backend, world_size=n,
+        return dict(op=op, algorithm=algorithm, backend=comm.backend, transport=comm.name,
+                    world_size=n,
                     bytes=count * element, count=count, dtype=str(self.dtype).split(".")[-1],
                     time_us=seconds * 1e6, algbw_gbps=algbw,
                     busbw_gbps=algbw * BUS_FACTOR.get(op, lambda n: 2 * (n - 1) / n)(n),
@@ -183,8 +183,8 @@ def run_benchmark(comm, args) -> List[Dict]:
     runner = Runner(comm, DTYPES[args.dtype], args.min_iters, args.seconds_per_row, args.trials)
     rows = []
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    say(f"# collectives.bench: backend {comm.backend}, {comm.world_size} ranks, "
-        f"dtype {args.dtype}, ring segment {ring.SEGMENT_BYTES // 1024} KiB")
+    say(f"# collectives.bench: {comm.name}, {comm.world_size} ranks, "
+        f"dtype {args.dtype}, ring segment {comm.segment_bytes // 1024} KiB")
     say(HEADER)
     for op in args.ops:
         wanted = [a for a in args.algorithms if a in algorithms.names(op) or
@@ -220,7 +220,8 @@ def plot(rows: List[Dict], path: str) -> None:
         axis.set_xlabel("message size (bytes)")
         axis.set_ylabel("busbw (GB/s)")
         first = rows[0]
-        axis.set_title(f"{op}: {first['backend']}, {first['world_size']} ranks")
+        axis.set_title(f"{op}: {first.get('transport', first['backend'])}, "
+                       f"{first['world_size']} ranks")
         axis.grid(True, alpha=0.3)
         axis.legend()
     figure.tight_layout()
@@ -235,6 +236,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=None,
                    help="spawn this many ranks here (not needed under mpirun/torchrun)")
     p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"])
+    p.add_argument("--shm", default=None, choices=["auto", "on", "off"],
+                   help="point-to-point through shared memory between ranks of this host "
+                        "(default: $COLLECTIVES_SHM, else auto = when possible)")
     p.add_argument("--sizes", type=parse_sizes, default=parse_sizes("1K:64M"),
                    help="sizes in bytes: a doubling range '1K:64M' or a list '4K,16M'")
     p.add_argument("--ops", type=lambda s: s.split(","), default=["all_reduce"],
@@ -276,9 +280,9 @@ def validate(p: argparse.ArgumentParser, args) -> None:
 
 def rank_main(args) -> None:
     import collectives
-    comm = collectives.init(backend=args.backend)
+    comm = collectives.init(backend=args.backend, shm=args.shm)
     if args.segment_kb:
-        ring.SEGMENT_BYTES = args.segment_kb * 1024
+        comm.segment_bytes = args.segment_kb * 1024
     rows = run_benchmark(comm, args)
     if comm.rank == 0:
         if args.json:

@@ -29,6 +29,7 @@ from .launch import LaunchError, LaunchInfo, detect_launch
 from .spawn import free_port
 from .transport.base import Transport
 from .transport.local import LocalTransport
+from .transport.shm import ShmTransport, want_shm
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -126,17 +127,36 @@ def _limit_threads(info: LaunchInfo) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // ranks_here))
 
 
+def _with_shared_memory(comm: Transport, wanted: Optional[bool]) -> Transport:
+    """Route point-to-point through shared memory when asked for and possible."""
+    if wanted is False or comm.world_size == 1 or comm.backend == "nccl":
+        return comm
+    connected = ShmTransport.connect(comm)
+    if wanted and connected is comm:
+        raise LaunchError("shared memory was required (COLLECTIVES_SHM=on) but not every "
+                          "rank is on this host, or /dev/shm could not be used")
+    return connected
+
+
 def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
-         device: Optional[Union[str, torch.device]] = None) -> Transport:
+         device: Optional[Union[str, torch.device]] = None,
+         shm: Union[None, bool, str] = None) -> Transport:
     """Join the job and return its communicator (also the default for later calls).
 
     backend: "auto" (nccl with CUDA, else gloo), "gloo", "nccl" or "mpi".
     timeout: seconds (or a timedelta) after which a silent peer is an error; default 300.
     device:  where this rank's tensors live; default the local rank's GPU for nccl, else CPU.
+    shm:     point-to-point through shared memory when all ranks share this host
+             (gloo and mpi; see transport/shm.py): "auto" (default: when possible),
+             True (required), False (never). Default from $COLLECTIVES_SHM.
     """
     global _default
     timeout = _as_timedelta(timeout)
     backend = resolve_backend(backend)
+    try:
+        shm_wanted = want_shm(shm)
+    except ValueError as error:
+        raise LaunchError(f"COLLECTIVES_SHM / init(shm=...): {error}") from None
     mpi_size = _mpi_world().Get_size() if backend == "mpi" else None
     info = detect_launch(mpi_world_size=mpi_size)
     if device is None:
@@ -167,6 +187,7 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
                                 world_size=info.world_size, timeout=timeout)
         comm = TorchDistTransport(backend, info.rank, info.world_size, info.local_rank,
                                   device, timeout)
+    comm = _with_shared_memory(comm, shm_wanted)
     _default = comm
     return comm
 

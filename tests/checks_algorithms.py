@@ -132,4 +132,4 @@ if __name__ == "__main__":
     from mpi4py import MPI
     first = MPI.COMM_WORLD.bcast(results, root=0)
     assert results[0] == first[0] and results[1] == first[1], "ranks differ"
-    sys.stdout.write(f"rank {comm.rank}: {sum(map(len, results))} checks ok\n")
+    sys.stdout.write(f"rank {comm.rank} ({comm.name}): {sum(map(len, results))} checks ok\n")

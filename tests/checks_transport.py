@@ -58,12 +58,35 @@ def check_transport(comm) -> str:
             value = pattern(rank, numel, dtype)
             comm.native_broadcast(value, n - 1)
             assert torch.equal(value, pattern(n - 1, numel, dtype)), f"native_broadcast {what}"
+    check_big_messages_and_reduce(comm)
     comm.barrier()
     return "ok"
+
+
+def check_big_messages_and_reduce(comm) -> None:
+    """Messages much larger than any transport buffer, both ways at once, and
+    irecv_reduce (receive and fold in) for every op and a 16-bit float."""
+    n, rank = comm.world_size, comm.rank
+    right, left = (rank + 1) % n, (rank - 1) % n
+    numel = 3_000_000 + 3  # 12 MB of float32: several times a shared-memory channel
+    received = torch.empty(numel)
+    comm.sendrecv(torch.arange(numel, dtype=torch.float32) + rank, right, received, left)
+    assert torch.equal(received, torch.arange(numel, dtype=torch.float32) + left), "big sendrecv"
+    for op, expect in (("sum", lambda a, b: a + b), ("max", torch.maximum),
+                       ("min", torch.minimum)):
+        for dtype, count in ((torch.float32, numel), (torch.bfloat16, 1001), (torch.int64, 5)):
+            mine = (torch.arange(count) % 11 + rank).to(dtype)
+            theirs = (torch.arange(count) % 11 + left).to(dtype)
+            receiving = comm.irecv_reduce(mine, left, op)
+            sending = comm.isend((torch.arange(count) % 11 + rank).to(dtype), right)
+            receiving.wait()
+            sending.wait()
+            assert torch.equal(mine, expect((torch.arange(count) % 11 + rank).to(dtype), theirs)), \
+                f"irecv_reduce {op} {dtype}"
 
 
 if __name__ == "__main__":
     import collectives
     comm = collectives.init(backend=sys.argv[1] if len(sys.argv) > 1 else "mpi", timeout=60)
     result = check_transport(comm)
-    sys.stdout.write(f"rank {comm.rank} of {comm.world_size} ({comm.backend}): {result}\n")
+    sys.stdout.write(f"rank {comm.rank} of {comm.world_size} ({comm.name}): {result}\n")

@@ -21,7 +21,7 @@ import traceback
 from collectives.spawn import free_port
 
 
-def _rank_main(function, rank, world_size, port, backend, init_timeout, args, results):
+def _rank_main(function, rank, world_size, port, backend, init_timeout, args, results, shm):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port), OMP_NUM_THREADS="1")
@@ -32,7 +32,7 @@ def _rank_main(function, rank, world_size, port, backend, init_timeout, args, re
         import torch
         torch.set_num_threads(1)
         import collectives
-        comm = collectives.init(backend=backend, timeout=init_timeout)
+        comm = collectives.init(backend=backend, timeout=init_timeout, shm=shm)
         value = function(comm, *args)
         results.put((rank, "ok", value))
         collectives.destroy()
@@ -41,8 +41,11 @@ def _rank_main(function, rank, world_size, port, backend, init_timeout, args, re
 
 
 def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
-              init_timeout=60.0, may_die=()):
+              init_timeout=60.0, may_die=(), shm=None):
     """Run function(comm, *args) on `world_size` ranks; return the per-rank results.
+
+    shm: passed to collectives.init ("on", "off"; None: the default, shared memory
+    when possible).
 
     Ranks listed in `may_die` are not waited for: they may die, hang or report (their
     slot is None unless they reported before the others finished).
@@ -52,7 +55,7 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
     port = free_port()
     ranks = [context.Process(target=_rank_main, daemon=True,
                              args=(function, rank, world_size, port, backend,
-                                   init_timeout, args, results))
+                                   init_timeout, args, results, shm))
              for rank in range(world_size)]
     for process in ranks:
         process.start()

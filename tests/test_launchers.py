@@ -13,8 +13,8 @@ PRINT_RANK = ("import os, collectives; c = collectives.init(backend={backend!r},
               "os.write(1, f'rank {{c.rank}} of {{c.world_size}} {{c.backend}}\\n'.encode())")
 
 
-def run(argv, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+def run(argv, timeout=240, shm="auto"):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, COLLECTIVES_SHM=shm)
     for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env,
@@ -23,9 +23,9 @@ def run(argv, timeout=240):
     return result.stdout
 
 
-def mpirun(nprocs, *command):
+def mpirun(nprocs, *command, shm="auto"):
     path, _ = find_mpirun()
-    return run([path, "-np", str(nprocs), *command])
+    return run([path, "-np", str(nprocs), *command], shm=shm)
 
 
 def ranks_printed(stdout, world_size, backend):
@@ -56,14 +56,17 @@ def test_launch_mpi_script():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size", [2, 4])
-def test_mpi_transport(world_size):
-    out = mpirun(world_size, sys.executable, "checks_transport.py", "mpi")
-    assert out.count(": ok") == world_size, out
+@pytest.mark.parametrize("world_size,shm", [(2, "off"), (4, "on")])
+def test_mpi_transport(world_size, shm):
+    # off: MPI's own point-to-point; on: our shared memory, MPI for the rest
+    out = mpirun(world_size, sys.executable, "checks_transport.py", "mpi", shm=shm)
+    name = "mpi+shm" if shm == "on" else "mpi"
+    assert out.count(f"({name}): ok") == world_size, out
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world_size", [3, 4])
-def test_mpi_algorithms_subset(world_size):
-    out = mpirun(world_size, sys.executable, "checks_algorithms.py")
-    assert out.count("checks ok") == world_size, out
+@pytest.mark.parametrize("world_size,shm", [(3, "off"), (4, "on")])
+def test_mpi_algorithms_subset(world_size, shm):
+    out = mpirun(world_size, sys.executable, "checks_algorithms.py", shm=shm)
+    name = "mpi+shm" if shm == "on" else "mpi"
+    assert out.count("checks ok") == out.count(f"({name})") == world_size, out

@@ -15,10 +15,18 @@ LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", 
                     "MASTER_ADDR", "MASTER_PORT")
 
 
+def transport_name(comm):
+    return comm.name
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("world_size", [2, 3, 4])
-def test_gloo_point_to_point_and_native(world_size):
-    assert run_world(check_transport, world_size, timeout=150) == ["ok"] * world_size
+@pytest.mark.parametrize("world_size,shm", [(2, "on"), (3, "on"), (4, "on"), (2, "off"),
+                                            (3, "off")])
+def test_gloo_point_to_point_and_native(world_size, shm):
+    # "on": ranks of one host talk through shared memory; "off": gloo's TCP
+    expected = "gloo+shm" if shm == "on" else "gloo"
+    assert run_world(transport_name, world_size, shm=shm) == [expected] * world_size
+    assert run_world(check_transport, world_size, timeout=150, shm=shm) == ["ok"] * world_size
 
 
 WORLD_OF_ONE = """

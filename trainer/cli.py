@@ -123,6 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "built from send/recv here; native is the backend's own)")
     comm.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"],
                       help="auto: nccl with a GPU, else gloo (default: auto)")
+    comm.add_argument("--shm", default=None, choices=["auto", "on", "off"],
+                      help="point-to-point through shared memory between ranks of one host "
+                           "(gloo, mpi; default: $COLLECTIVES_SHM, else auto = when possible)")
     comm.add_argument("--bucket-mb", type=positive_float, default=25.0,
                       help="gradient bucket size cap in MiB (default: 25, as DDP)")
     comm.add_argument("--timeout", type=positive_float, default=300.0,

@@ -89,7 +89,7 @@ def train(argv=None) -> None:
         fail(f"--resume {args.resume}: no such checkpoint file")
 
     try:
-        comm = collectives.init(backend=args.backend, timeout=args.timeout)
+        comm = collectives.init(backend=args.backend, timeout=args.timeout, shm=args.shm)
     except collectives.LaunchError as error:
         fail(str(error))
     device, rank, world = comm.device, comm.rank, comm.world_size
@@ -136,7 +136,7 @@ def train(argv=None) -> None:
             return
 
     say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with {world} "
-        f"rank(s), backend {comm.backend}, sync {args.sync}, algorithm {args.algorithm}")
+        f"rank(s), backend {comm.name}, sync {args.sync}, algorithm {args.algorithm}")
     started = time.perf_counter()
     accuracy = 0.0
     for epoch in range(start_epoch, args.epochs + 1):

@@ -5,9 +5,9 @@ from typing import List, Tuple
 
 import torch
 
-# The ops an algorithm itself performs. "avg" is "sum" followed by one division,
-# done once in api.py so that every algorithm divides the same way.
-ALGORITHM_OPS = ("sum", "max", "min")
+# reduce_into lives with the transport, which can fold a message in as it arrives
+# (Transport.irecv_reduce); algorithms use it from here.
+from ..transport.base import ALGORITHM_OPS, reduce_into  # noqa: F401
 
 
 def chunk_bounds(numel: int, parts: int) -> List[int]:
@@ -27,15 +27,3 @@ def chunk_bounds(numel: int, parts: int) -> List[int]:
 def segments(start: int, stop: int, segment_elems: int) -> List[Tuple[int, int]]:
     """[start, stop) cut into pieces of at most `segment_elems` (none when empty)."""
     return [(lo, min(lo + segment_elems, stop)) for lo in range(start, stop, segment_elems)]
-
-
-def reduce_into(accumulator: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
-    """accumulator <- accumulator (op) incoming, elementwise and in place."""
-    if op == "sum":
-        accumulator.add_(incoming)
-    elif op == "max":
-        torch.maximum(accumulator, incoming, out=accumulator)
-    elif op == "min":
-        torch.minimum(accumulator, incoming, out=accumulator)
-    else:
-        raise ValueError(f"reduce op {op!r} is not one of {ALGORITHM_OPS}")

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..transport import Transport
-from .common import chunk_bounds, reduce_into
+from .common import chunk_bounds
 
 
 def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
@@ -47,9 +47,7 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
             comm.send(flat, rank + 1)
             comm.recv(flat, rank + 1)  # 4. the result comes back at the end
             return
-        incoming = torch.empty_like(flat)
-        comm.recv(incoming, rank - 1)
-        reduce_into(flat, incoming, op)
+        comm.recv_reduce(flat, rank - 1, op)
         newrank = rank // 2
     else:
         newrank = rank - extra
@@ -72,9 +70,11 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
             keep, give = (lo, mid), (mid, hi)
         keep_elems = slice(bounds[keep[0]], bounds[keep[1]])
         give_elems = slice(bounds[give[0]], bounds[give[1]])
-        received = scratch[:keep_elems.stop - keep_elems.start]
-        comm.sendrecv(flat[give_elems], partner, received, partner)
-        reduce_into(flat[keep_elems], received, op)
+        receiving = comm.irecv_reduce(flat[keep_elems], partner, op,
+                                      scratch[:keep_elems.stop - keep_elems.start])
+        sending = comm.isend(flat[give_elems], partner)
+        receiving.wait()
+        sending.wait()
         exchanges.append((partner, keep_elems, give_elems))
         lo, hi = keep
         distance //= 2

@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from ..transport import Transport
-from .common import reduce_into
 
 
 def broadcast(comm: Transport, flat: torch.Tensor, root: int) -> None:
@@ -35,8 +34,7 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
     if comm.rank == 0:
         incoming = torch.empty_like(flat)
         for peer in range(1, comm.world_size):
-            comm.recv(incoming, peer)
-            reduce_into(flat, incoming, op)
+            comm.recv_reduce(flat, peer, op, incoming)
     else:
         comm.send(flat, 0)
     broadcast(comm, flat, root=0)

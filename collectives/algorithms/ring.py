@@ -26,11 +26,14 @@ per byte and gamma seconds per reduced byte:
     reduce-scatter or all-gather:   (n-1) alpha + (n-1)/n K beta  (+ (n-1)/n K gamma)
     all-reduce:                    2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma
 
-Pipelining: every chunk is cut into segments. A segment is forwarded to the right
-as soon as it has been reduced, and the next step's receives are posted before this
-step's are reduced, so reducing one segment overlaps moving the next. Receives land
-in two scratch buffers used on alternate steps, so an early receive never overwrites
-data still waiting to be reduced.
+Pipelining: every chunk is cut into segments (the transport's `segment_bytes`, 4 MiB:
+smaller ones lost on both TCP and shared memory, see docs/benchmarks.md). A segment is forwarded to the right as
+soon as it has been reduced, and the next step's receives are posted before this
+step's are reduced, so reducing one segment overlaps moving the next. Reduce-scatter
+receives with `irecv_reduce`: through shared memory the reduction reads the
+message where it arrived; otherwise it lands in one of two scratch buffers, used on
+alternate steps so an early receive never overwrites data still waiting to be
+reduced.
 
 Every chunk's final value is computed on one rank and copied to the rest, so all ranks
 end bitwise identical.
@@ -42,16 +45,11 @@ from typing import List, Optional
 import torch
 
 from ..transport import Transport
-from .common import chunk_bounds, reduce_into, segments
-
-# Segments below a few MiB lose on loopback TCP: each message costs ~0.3 ms of
-# scheduling on a shared 2-core machine (64 KiB segments ran 3x slower than 4 MiB
-# ones; see docs/benchmarks.md).
-SEGMENT_BYTES = 4 << 20
+from .common import chunk_bounds, segments
 
 
-def _segment_elems(flat: torch.Tensor, segment_bytes: Optional[int]) -> int:
-    return max(1, (segment_bytes or SEGMENT_BYTES) // flat.element_size())
+def _segment_elems(comm: Transport, flat: torch.Tensor, segment_bytes: Optional[int]) -> int:
+    return max(1, (segment_bytes or comm.segment_bytes) // flat.element_size())
 
 
 def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
@@ -67,7 +65,7 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
         return
     bounds = bounds or chunk_bounds(flat.numel(), n)
     send_to, recv_from = (rank + 1) % n, (rank - 1) % n
-    seg = _segment_elems(flat, segment_bytes)
+    seg = _segment_elems(comm, flat, segment_bytes)
 
     def pieces(step: int):  # the segments of the chunk this rank receives at `step`
         chunk = (rank - step - 2) % n
@@ -76,10 +74,11 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
     largest = max(b - a for a, b in zip(bounds, bounds[1:]))
     scratch = [flat.new_empty(largest), flat.new_empty(largest)]  # alternate steps
 
-    def post_receives(step: int):
+    def post_receives(step: int):  # each folds its message into our segment
         base = bounds[(rank - step - 2) % n]
         buffer = scratch[step % 2]
-        return [comm.irecv(buffer[lo - base:hi - base], recv_from) for lo, hi in pieces(step)]
+        return [comm.irecv_reduce(flat[lo:hi], recv_from, op, buffer[lo - base:hi - base])
+                for lo, hi in pieces(step)]
 
     first = (rank - 1) % n
     sends = [comm.isend(flat[lo:hi], send_to)
@@ -87,12 +86,9 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
     receives = post_receives(0)
     for step in range(n - 1):
         last = step == n - 2
-        next_receives = [] if last else post_receives(step + 1)  # land in the other scratch
-        base = bounds[(rank - step - 2) % n]
-        buffer = scratch[step % 2]
+        next_receives = [] if last else post_receives(step + 1)  # use the other scratch
         for (lo, hi), receive in zip(pieces(step), receives):
-            receive.wait()
-            reduce_into(flat[lo:hi], buffer[lo - base:hi - base], op)
+            receive.wait()  # flat[lo:hi] now holds this step's reduction
             if not last:  # this reduced segment is what we send at the next step
                 sends.append(comm.isend(flat[lo:hi], send_to))
         receives = next_receives
@@ -108,7 +104,7 @@ def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] 
         return
     bounds = bounds or chunk_bounds(flat.numel(), n)
     send_to, recv_from = (rank + 1) % n, (rank - 1) % n
-    seg = _segment_elems(flat, segment_bytes)
+    seg = _segment_elems(comm, flat, segment_bytes)
 
     def pieces(step: int):  # the segments of the chunk this rank receives at `step`
         chunk = (rank - step - 1) % n

@@ -26,7 +26,6 @@ from __future__ import annotations
 import torch
 
 from ..transport import Transport
-from .common import reduce_into
 
 
 def broadcast(comm: Transport, flat: torch.Tensor, root: int) -> None:
@@ -61,10 +60,9 @@ def reduce(comm: Transport, flat: torch.Tensor, op: str, root: int) -> None:
             return
         child = v + mask
         if child < n:
-            if incoming is None:
+            if incoming is None:  # scratch, for transports that need one
                 incoming = torch.empty_like(flat)
-            comm.recv(incoming, (child + root) % n)
-            reduce_into(flat, incoming, op)
+            comm.recv_reduce(flat, (child + root) % n, op, incoming)
         mask <<= 1
 
 

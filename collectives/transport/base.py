@@ -7,6 +7,7 @@ underneath (gloo, nccl, mpi, or a world of one); nothing above it does. Algorith
     comm.send(t, dst)            comm.recv(t, src)            blocking point-to-point
     comm.isend(t, dst) -> h      comm.irecv(t, src) -> h      h.wait() completes it
     comm.sendrecv(send_t, dst, recv_t, src)                   one step of a ring
+    comm.irecv_reduce(acc, src, op) -> h    receive and fold in: acc <- acc (op) message
     comm.barrier()
     comm.native_all_reduce(t, op)  comm.native_broadcast(t, src)   the backend's own
 
@@ -24,10 +25,14 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Optional
 
 import torch
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
+# The ops an algorithm itself performs. "avg" is "sum" followed by one division,
+# done once in api.py so that every algorithm divides the same way.
+ALGORITHM_OPS = ("sum", "max", "min")
 
 
 @dataclass
@@ -109,14 +114,42 @@ class KeepAliveHandle(Handle):
         self.inner.wait()
 
 
+class ReduceOnWaitHandle(Handle):
+    """A receive into scratch memory that is folded into an accumulator on wait()."""
+
+    def __init__(self, inner: Handle, accumulator: torch.Tensor, scratch: torch.Tensor, op: str):
+        self.inner, self.accumulator, self.scratch, self.op = inner, accumulator, scratch, op
+
+    def wait(self) -> None:
+        self.inner.wait()
+        reduce_into(self.accumulator, self.scratch, self.op)
+
+
 def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+def reduce_into(accumulator: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
+    """accumulator <- accumulator (op) incoming, elementwise and in place."""
+    if op == "sum":
+        accumulator.add_(incoming)
+    elif op == "max":
+        torch.maximum(accumulator, incoming, out=accumulator)
+    elif op == "min":
+        torch.minimum(accumulator, incoming, out=accumulator)
+    else:
+        raise ValueError(f"reduce op {op!r} is not one of {ALGORITHM_OPS}")
 
 
 class Transport:
     """Base class: bookkeeping shared by all transports. Subclasses move the bytes."""
 
     backend: str = "?"
+    # The message size that pipelines best on this transport: algorithms cut big
+    # messages into segments of about this size (see ring.py). Below a few MiB each
+    # message's fixed cost wins over the pipelining it buys on a 2-core machine, over
+    # TCP and shared memory alike (docs/benchmarks.md).
+    segment_bytes: int = 4 << 20
     # Whether _isend/_irecv take tensors on an accelerator directly. When False,
     # device tensors are staged through host memory (one copy each way).
     device_tensors_ok: bool = False
@@ -148,6 +181,23 @@ class Transport:
             host = torch.empty_like(tensor, device="cpu")
             return StagedRecvHandle(self._irecv(host, src), host, tensor)
         return self._irecv(tensor, src)
+
+    def irecv_reduce(self, accumulator: torch.Tensor, src: int, op: str,
+                     scratch: Optional[torch.Tensor] = None) -> Handle:
+        """Start receiving a message shaped like `accumulator` and fold it in with `op`.
+
+        accumulator <- accumulator (op) message, once wait() returns. Here the message
+        lands in `scratch` (allocated when not given) and is reduced on wait(); a
+        transport whose receive buffer the receiver can read in place (shared memory)
+        reduces straight out of it and never touches `scratch`.
+        """
+        if scratch is None:
+            scratch = torch.empty_like(accumulator)
+        return ReduceOnWaitHandle(self.irecv(scratch, src), accumulator, scratch, op)
+
+    def recv_reduce(self, accumulator: torch.Tensor, src: int, op: str,
+                    scratch: Optional[torch.Tensor] = None) -> None:
+        self.irecv_reduce(accumulator, src, op, scratch).wait()
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         self.isend(tensor, dst).wait()
@@ -223,7 +273,13 @@ class Transport:
     def close(self) -> None:
         """Release the backend's resources. The transport cannot be used afterwards."""
 
+    @property
+    def name(self) -> str:
+        """The backend, plus how point-to-point bytes travel when not the backend's way
+        ("gloo+shm"). Reports and `auto`'s thresholds go by it."""
+        return self.backend
+
     def __repr__(self) -> str:
-        return (f"{type(self).__name__}(backend={self.backend!r}, rank={self.rank}, "
+        return (f"{type(self).__name__}(backend={self.name!r}, rank={self.rank}, "
                 f"world_size={self.world_size}, local_rank={self.local_rank}, "
                 f"device={self.device})")

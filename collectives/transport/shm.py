@@ -1,0 +1,465 @@
+r"""Shared memory: point-to-point between ranks of one host, without the network stack.
+
+Over loopback TCP every byte is copied twice by the kernel (into a socket buffer and
+out again) and handled by the backend's I/O threads. Ranks on one host can do with
+less: the sender copies a message into memory the receiver has mapped too, and the
+receiver uses it where it lies. A receive that is reduced (`irecv_reduce`, as in the
+ring's reduce-scatter) adds straight out of that memory, so the reduction costs no
+extra copy. MPICH's shared-memory channel and NCCL's SHM transport work this way;
+gloo has nothing like it, which is why an algorithm over this transport can beat
+gloo's own all-reduce.
+
+Every rank creates one segment, its inbox, and maps every peer's:
+
+    rank 1's segment: a file in /dev/shm, mapped by every rank
+    +---------+----------------------------------+----------------------------+---
+    | pid     | channel from rank 0              | channel from rank 2        | ...
+    | bell    | free filled | slot 0 | ... | slot K-1                        |
+    +---------+----------------------------------+----------------------------+---
+
+A channel carries one direction between two ranks: K slots used in turn, and two
+process-shared POSIX semaphores counting the free and the filled slots. A message
+is cut into slot-sized pieces:
+
+    sender:    wait(free)    copy a piece into the next slot          post(filled)
+    receiver:  wait(filled)  copy (or reduce) the piece out of it     post(free)
+
+and each side then rings the other's bell. The semaphores also order the memory:
+what the sender wrote before post() is visible to the receiver after its wait().
+
+Progress: isend/irecv queue the message and move what they can at once; the rest
+moves whenever this rank waits for anything. Each wait drives every queued message
+of this communicator, as MPI's progress engine does, so a rank waiting on a receive
+still drains its sends and a ring cannot deadlock. When nothing can move, the rank
+sleeps on its bell (a semaphore its peers post after filling or freeing one of its
+slots), so waiting ranks spin no CPU away from the ones working: that matters when
+ranks outnumber cores.
+
+Errors: a wait past the timeout raises PeerError, and so does a peer whose process
+has exited (checked by pid ten times a second while asleep, so a dead peer is
+caught in well under a second). A message of another size than the receive posted
+for it raises PeerError naming both.
+
+Barrier and the native collectives go to the backend this transport wraps (gloo or
+MPI). `connect()` uses shared memory only when every rank of the job is on this
+host and every segment could be mapped; otherwise it returns the backend as it is.
+"""
+from __future__ import annotations
+
+import ctypes
+import errno
+import hashlib
+import mmap
+import os
+import secrets
+import socket
+import sys
+import time
+from collections import deque
+from datetime import timedelta
+from typing import Callable, Deque, List, Optional
+
+import torch
+
+from .base import Handle, PeerError, Transport, reduce_into
+
+SLOT_BYTES = 1 << 20  # one piece of a message (measured: docs/benchmarks.md)
+SLOTS = 4             # pieces in flight per channel
+_LINE = 64            # shared fields sit on cache lines of their own; a sem_t fits in one
+_SLOT_HEADER = 64     # message size, piece offset, piece size (3 int64)
+_NAP_SECONDS = 0.1    # longest sleep on the bell before checking deadline and peers
+
+
+# --- process-shared POSIX semaphores, through ctypes --------------------------------------
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+def _load_libc():
+    """The C library's semaphore calls, or None where there are none (not Linux)."""
+    if not sys.platform.startswith("linux") or not os.path.isdir("/dev/shm"):
+        return None
+    try:
+        lib = ctypes.CDLL(None, use_errno=True)
+        for name in ("sem_init", "sem_post", "sem_trywait", "sem_timedwait"):
+            getattr(lib, name).restype = ctypes.c_int
+    except (OSError, AttributeError, TypeError):
+        return None
+    lib.sem_init.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint]
+    lib.sem_post.argtypes = [ctypes.c_void_p]
+    lib.sem_trywait.argtypes = [ctypes.c_void_p]
+    lib.sem_timedwait.argtypes = [ctypes.c_void_p, ctypes.POINTER(_Timespec)]
+    return lib
+
+
+_libc = _load_libc()
+
+
+def _sem_init(address: int, value: int) -> None:
+    if _libc.sem_init(address, 1, value) != 0:  # 1: shared between processes
+        raise OSError(ctypes.get_errno(), "sem_init failed")
+
+
+def _sem_post(address: int) -> None:
+    if _libc.sem_post(address) != 0:
+        raise OSError(ctypes.get_errno(), "sem_post failed")
+
+
+def _sem_trywait(address: int) -> bool:
+    """Take one count if there is one; never blocks."""
+    return _libc.sem_trywait(address) == 0
+
+
+def _sem_nap(address: int, seconds: float) -> bool:
+    """Take one count, sleeping up to `seconds` for it. False if none came."""
+    when = time.time() + seconds  # sem_timedwait takes an absolute CLOCK_REALTIME time
+    spec = _Timespec(int(when), int((when % 1) * 1e9))
+    return _libc.sem_timedwait(address, ctypes.byref(spec)) == 0
+
+
+# --- the memory -------------------------------------------------------------------------
+def _layout(world_size: int, slots: int, slot_bytes: int):
+    """Byte offsets of a segment: (channel size, segment size)."""
+    channel = 2 * _LINE + slots * (_SLOT_HEADER + slot_bytes)
+    return channel, 2 * _LINE + world_size * channel
+
+
+class _Segment:
+    """One rank's inbox: a /dev/shm file with a header and one channel per peer."""
+
+    def __init__(self, path: str, world_size: int, slots: int, slot_bytes: int, create: bool):
+        self.path = path
+        self.channel_bytes, size = _layout(world_size, slots, slot_bytes)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)  # sparse: pages are only allocated once touched
+            self.map = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        self._anchor = ctypes.c_char.from_buffer(self.map)
+        self.address = ctypes.addressof(self._anchor)  # for the semaphores
+        self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
+        self.pid = ctypes.c_int64.from_buffer(self.map, 0)
+        self.bell = self.address + _LINE
+        if create:
+            self.pid.value = os.getpid()
+            _sem_init(self.bell, 0)
+
+    def channel_offset(self, src: int) -> int:
+        return 2 * _LINE + src * self.channel_bytes
+
+    def close(self) -> None:
+        self.bytes = self.pid = self._anchor = None  # views first, or the map can't close
+        try:
+            self.map.close()
+        except BufferError:
+            pass  # a view is still alive somewhere; the map goes with it
+
+
+class _Channel:
+    """One direction between two ranks: SLOTS slots and the semaphores guarding them.
+
+    Each side keeps its own count of the slots it has used, so slot `used % SLOTS` is
+    always the next one: the two counts agree because every piece is taken in order.
+    """
+
+    def __init__(self, segment: _Segment, src: int, slots: int, slot_bytes: int,
+                 bell_to_ring: int, peer: int, create: bool):
+        start = segment.channel_offset(src)
+        self.free = segment.address + start
+        self.filled = self.free + _LINE
+        self.bell_to_ring = bell_to_ring  # the other side's bell
+        self.peer = peer
+        self.slot_bytes = slot_bytes
+        self.headers, self.data = [], []
+        for i in range(slots):
+            at = start + 2 * _LINE + i * (_SLOT_HEADER + slot_bytes)
+            self.headers.append((ctypes.c_int64 * 3).from_buffer(segment.map, at))
+            self.data.append(segment.bytes[at + _SLOT_HEADER:at + _SLOT_HEADER + slot_bytes])
+        self.used = 0
+        self.queue: Deque["_Message"] = deque()  # messages waiting for this channel, in order
+        if create:
+            _sem_init(self.free, slots)
+            _sem_init(self.filled, 0)
+
+    def release(self) -> None:
+        self.headers = self.data = None
+
+
+class _Message(Handle):
+    """A queued send or receive, moved piece by piece by its transport's progress()."""
+
+    def __init__(self, transport: "ShmTransport", data: torch.Tensor, peer: int, what: str,
+                 take: Optional[Callable[[torch.Tensor, int, int], None]] = None):
+        self.transport = transport
+        self.data = data  # the message's bytes (uint8, 1-D)
+        self.size = data.numel()
+        self.offset = 0   # bytes moved so far
+        self.peer, self.what = peer, what
+        self.take = take  # receives: what to do with a piece that arrived
+
+    @property
+    def done(self) -> bool:
+        return self.offset >= self.size
+
+    def wait(self) -> None:
+        self.transport.wait_for(self)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.reshape(-1).view(torch.uint8)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            state = stat.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+    return state not in ("Z", "X")
+
+
+def _host_fingerprint() -> int:
+    """A number equal on every rank of this host (same name, same boot)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as boot:
+            boot_id = boot.read().strip()
+    except OSError:
+        boot_id = ""
+    digest = hashlib.sha256(f"{socket.gethostname()}/{boot_id}".encode()).digest()
+    return int.from_bytes(digest[:7], "little")  # fits an int64, and so does its negative
+
+
+class ShmTransport(Transport):
+    """Point-to-point through shared memory; barrier and native collectives via `inner`."""
+
+    device_tensors_ok = False  # CUDA tensors are staged through host memory by the base
+
+    def __init__(self, inner: Transport, segments: List[_Segment], slots: int,
+                 slot_bytes: int, watch_pids: bool):
+        super().__init__(inner.rank, inner.world_size, inner.local_rank, inner.device,
+                         inner.timeout)
+        self.inner = inner
+        self.backend = inner.backend
+        self.traffic = inner.traffic
+        self.segments = segments  # by rank; ours is our inbox
+        self.slots, self.slot_bytes = slots, slot_bytes
+        me = self.rank
+        self.bell = segments[me].bell
+        self.outboxes = {p: _Channel(segments[p], me, slots, slot_bytes, segments[p].bell, p,
+                                     create=False)
+                         for p in range(self.world_size) if p != me}
+        self.inboxes = {p: _Channel(segments[me], p, slots, slot_bytes, segments[p].bell, p,
+                                    create=False)
+                        for p in range(self.world_size) if p != me}
+        self.pids = {p: segments[p].pid.value for p in range(self.world_size) if p != me}
+        self.watch_pids = watch_pids
+
+    @property
+    def name(self) -> str:
+        return f"{self.backend}+shm"
+
+    # --- setting up: collective over `inner` ------------------------------------------
+    @classmethod
+    def connect(cls, inner: Transport, slots: int = SLOTS,
+                slot_bytes: int = SLOT_BYTES) -> Transport:
+        """Shared memory over `inner` if every rank is on this host, else `inner` itself.
+
+        Collective: every rank calls it and all come to the same answer. Each rank
+        creates its segment, everyone maps everyone's, and the files are removed at
+        once: the mappings stay, and nothing is left in /dev/shm if a rank dies later.
+        """
+        def everyone(flag: bool) -> bool:  # True when it holds on every rank
+            vote = torch.tensor([1 if flag else 0])
+            inner._native_all_reduce(vote, "min")
+            return bool(vote.item())
+
+        if not everyone(_libc is not None):  # Linux, with /dev/shm, on every rank
+            return inner
+        fingerprint = _host_fingerprint()
+        both = torch.tensor([fingerprint, -fingerprint])
+        inner._native_all_reduce(both, "max")  # everyone equal <=> max == min == ours
+        if not (both[0].item() == fingerprint and -both[1].item() == fingerprint):
+            return inner
+        token = torch.tensor([secrets.randbits(48)])
+        inner._native_broadcast(token, 0)
+        paths = [f"/dev/shm/collectives-{token.item():x}-{rank}"
+                 for rank in range(inner.world_size)]
+        segments: List[Optional[_Segment]] = [None] * inner.world_size
+        me = inner.rank
+        connected = False
+        try:
+            try:
+                segments[me] = _Segment(paths[me], inner.world_size, slots, slot_bytes, True)
+                for src in range(inner.world_size):  # our inbox's semaphores
+                    if src != me:
+                        _Channel(segments[me], src, slots, slot_bytes, 0, src,
+                                 create=True).release()
+                created = True
+            except OSError:
+                created = False
+            if not everyone(created):
+                return inner
+            try:
+                for rank in range(inner.world_size):
+                    if rank != me:
+                        segments[rank] = _Segment(paths[rank], inner.world_size, slots,
+                                                  slot_bytes, False)
+                mapped = True
+            except OSError:
+                mapped = False
+            if not everyone(mapped):
+                return inner
+            watch_pids = everyone(all(_alive(s.pid.value) for s in segments))
+            connected = True
+            return cls(inner, segments, slots, slot_bytes, watch_pids)
+        finally:
+            if segments[me] is not None:
+                os.unlink(paths[me])  # every rank has mapped it (or given up) by now
+            if not connected:
+                for segment in segments:
+                    if segment is not None:
+                        segment.close()
+
+    # --- point to point ---------------------------------------------------------------
+    def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        return self._queue(self.outboxes[dst],
+                           _Message(self, _as_bytes(tensor), dst, f"send to rank {dst}"))
+
+    def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        target = _as_bytes(tensor)
+
+        def copy_out(piece: torch.Tensor, offset: int, size: int) -> None:
+            target[offset:offset + size].copy_(piece[:size])
+
+        return self._queue(self.inboxes[src],
+                           _Message(self, target, src, f"receive from rank {src}", copy_out))
+
+    def irecv_reduce(self, accumulator: torch.Tensor, src: int, op: str,
+                     scratch: Optional[torch.Tensor] = None) -> Handle:
+        """Reduce each piece straight out of the slot it arrived in: no scratch copy."""
+        if accumulator.device.type != "cpu":
+            return super().irecv_reduce(accumulator, src, op, scratch)
+        self._check_peer(accumulator, src, "irecv_reduce")
+        self.traffic.count_receive(accumulator)
+        target = _as_bytes(accumulator)
+        dtype = accumulator.dtype
+
+        def fold_in(piece: torch.Tensor, offset: int, size: int) -> None:
+            reduce_into(target[offset:offset + size].view(dtype), piece[:size].view(dtype), op)
+
+        return self._queue(self.inboxes[src],
+                           _Message(self, target, src, f"receive from rank {src}", fold_in))
+
+    def _queue(self, channel: _Channel, message: _Message) -> Handle:
+        if not message.done:  # an empty message moves nothing
+            channel.queue.append(message)
+            self.progress()
+        return message
+
+    # --- the progress engine ----------------------------------------------------------
+    def progress(self) -> bool:
+        """Move every queued piece that can move now, without blocking. True if any did."""
+        moved = False
+        for channel in self.outboxes.values():
+            moved |= self._push(channel)
+        for channel in self.inboxes.values():
+            moved |= self._pull(channel)
+        return moved
+
+    def _push(self, channel: _Channel) -> bool:
+        moved = False
+        while channel.queue:
+            message = channel.queue[0]
+            while not message.done:
+                if not _sem_trywait(channel.free):
+                    return moved
+                slot = channel.used % self.slots
+                size = min(self.slot_bytes, message.size - message.offset)
+                channel.data[slot][:size].copy_(message.data[message.offset:message.offset + size])
+                channel.headers[slot][:] = [message.size, message.offset, size]
+                _sem_post(channel.filled)
+                _sem_post(channel.bell_to_ring)
+                channel.used += 1
+                message.offset += size
+                moved = True
+            channel.queue.popleft()
+        return moved
+
+    def _pull(self, channel: _Channel) -> bool:
+        moved = False
+        while channel.queue:
+            message = channel.queue[0]
+            while not message.done:
+                if not _sem_trywait(channel.filled):
+                    return moved
+                slot = channel.used % self.slots
+                total, offset, size = channel.headers[slot]
+                if total != message.size or offset != message.offset:
+                    raise PeerError(f"{message.what}: rank {channel.peer} sent a message of "
+                                    f"{total} bytes where this rank expected {message.size}")
+                message.take(channel.data[slot], offset, size)
+                _sem_post(channel.free)
+                _sem_post(channel.bell_to_ring)
+                channel.used += 1
+                message.offset += size
+                moved = True
+            channel.queue.popleft()
+        return moved
+
+    def wait_for(self, message: _Message) -> None:
+        """Drive progress until `message` is done; sleep on our bell when nothing moves."""
+        timeout = self.timeout.total_seconds()
+        deadline = time.monotonic() + timeout
+        while not message.done:
+            if self.progress():
+                continue
+            if _sem_nap(self.bell, _NAP_SECONDS):
+                continue  # a peer filled or freed a slot of ours: try again
+            if time.monotonic() > deadline:
+                raise PeerError(f"{message.what} timed out after {timeout:g} s")
+            pid = self.pids[message.peer]
+            if self.watch_pids and not _alive(pid):
+                raise PeerError(f"{message.what} failed: rank {message.peer} "
+                                f"(pid {pid}) has exited")
+
+    # --- the rest goes to the backend ---------------------------------------------------
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def _native_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        self.inner._native_all_reduce(tensor, op)
+
+    def _native_broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self.inner._native_broadcast(tensor, src)
+
+    def _duplicate(self) -> Transport:
+        return ShmTransport.connect(self.inner.duplicate(), self.slots, self.slot_bytes)
+
+    def close(self) -> None:
+        for channel in [*self.outboxes.values(), *self.inboxes.values()]:
+            channel.release()
+        for segment in self.segments:
+            segment.close()
+        self.segments = []
+        self.inner.close()
+
+
+def want_shm(setting: Optional[str]) -> Optional[bool]:
+    """Read the shm setting: True (required), False (off) or None (use it when possible).
+
+    From init(shm=...) or else the COLLECTIVES_SHM variable: "auto" (default), "1"/"on",
+    "0"/"off".
+    """
+    value = setting if setting is not None else os.environ.get("COLLECTIVES_SHM", "auto")
+    value = str(value).strip().lower()
+    if value in ("auto", ""):
+        return None
+    if value in ("1", "on", "true", "yes"):
+        return True
+    if value in ("0", "off", "false", "no"):
+        return False
+    raise ValueError(f"shm setting {value!r}: use auto, on or off")

@@ -1,0 +1,95 @@
+"""The shared-memory transport's own guarantees: clear errors, no leftovers, fallback."""
+import os
+import time
+
+import pytest
+import torch
+
+from distributed import run_world
+
+
+def size_mismatch(comm):
+    """Rank 0 sends 100 floats; rank 1 posts a receive for 200."""
+    from collectives.transport import PeerError
+    if comm.rank == 0:
+        comm.send(torch.ones(100), 1)
+        return "sent"
+    try:
+        comm.recv(torch.empty(200), 0)
+    except PeerError as error:
+        return str(error)
+    return "no error"
+
+
+@pytest.mark.timeout(120)
+def test_a_message_of_the_wrong_size_is_an_error_naming_both_sizes():
+    sent, error = run_world(size_mismatch, 2, shm="on")
+    assert sent == "sent"
+    assert "rank 0 sent a message of 400 bytes where this rank expected 800" in error, error
+
+
+def peer_exits(comm):
+    """Rank 1 exits without sending; rank 0 must not wait for its 60 s timeout."""
+    from collectives.transport import PeerError
+    if comm.rank == 1:
+        os._exit(3)
+    started = time.monotonic()
+    try:
+        comm.recv(torch.empty(10), 1)
+    except PeerError as error:
+        return str(error), time.monotonic() - started
+    return "no error", 0.0
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_exits_is_an_error_within_a_second():
+    (message, seconds), _ = run_world(peer_exits, 2, shm="on", init_timeout=60, may_die=(1,))
+    assert "rank 1" in message and "has exited" in message, message
+    assert seconds < 2.0, seconds
+
+
+def duplicates_and_leftovers(comm):
+    """A duplicate communicator's messages never mix with its parent's; /dev/shm is clean."""
+    n, rank = comm.world_size, comm.rank
+    twin = comm.duplicate()
+    right, left = (rank + 1) % n, (rank - 1) % n
+    # send on the parent first and the twin second; receive in the other order
+    a, b = torch.empty(1000), torch.empty(1000)
+    sends = [comm.isend(torch.full((1000,), 1.0 + rank), right),
+             twin.isend(torch.full((1000,), 100.0 + rank), right)]
+    twin.recv(b, left)
+    comm.recv(a, left)
+    for send in sends:
+        send.wait()
+    files = [c.segments[rank].path for c in (comm, twin)]  # each rank removes its own
+    leftovers = [path for path in files if os.path.exists(path)]
+    twin.close()
+    return (twin.name, a[0].item(), b[0].item(), leftovers, comm.traffic.messages_sent)
+
+
+@pytest.mark.timeout(120)
+def test_duplicates_are_separate_and_no_files_are_left_in_dev_shm():
+    results = run_world(duplicates_and_leftovers, 3, shm="on")
+    for rank, (name, a, b, leftovers, sent) in enumerate(results):
+        left = (rank - 1) % 3
+        assert name == "gloo+shm"
+        assert (a, b) == (1.0 + left, 100.0 + left)
+        assert leftovers == []  # removed as soon as every rank had mapped them
+        assert sent == 2  # the twin counts into its parent's traffic
+
+
+def other_hosts(comm):
+    """Pretend every rank is on its own host: connect() must fall back to the backend."""
+    from collectives.transport import shm
+    shm._host_fingerprint = lambda: 1000 + comm.rank
+    fallback = shm.ShmTransport.connect(comm.inner)
+    data = torch.full((5,), float(comm.rank))
+    import collectives
+    collectives.all_reduce(data, algorithm="ring", comm=fallback)
+    return fallback is comm.inner, data.tolist()
+
+
+@pytest.mark.timeout(120)
+def test_ranks_on_different_hosts_use_the_backend():
+    for same, data in run_world(other_hosts, 2, shm="on"):
+        assert same and data == [1.0] * 5
