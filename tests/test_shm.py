@@ -93,3 +93,19 @@ def other_hosts(comm):
 def test_ranks_on_different_hosts_use_the_backend():
     for same, data in run_world(other_hosts, 2, shm="on"):
         assert same and data == [1.0] * 5
+
+
+def ring_with_full_channels(comm):
+    """Every rank's first send fills all 4 outgoing slots (a 4 MiB chunk), so each relay
+    finds no free outgoing slot: they must sum into their own buffer and send later."""
+    from collectives.algorithms import ring
+    numel = 3 * (4 << 20) // 4
+    data = torch.arange(numel, dtype=torch.float32) % 1000 + comm.rank
+    ring.all_reduce(comm, data, "sum")
+    expected = (torch.arange(numel, dtype=torch.float32) % 1000) * 3 + 3
+    return torch.equal(data, expected)
+
+
+@pytest.mark.timeout(120)
+def test_a_ring_of_relays_does_not_wait_on_itself():
+    assert run_world(ring_with_full_channels, 3, shm="on") == [True] * 3

@@ -14,6 +14,13 @@ computes the same choice from the same numbers, so the ranks always agree.
 - Then the backend's own collective, up to where our pipelined `ring` wins: from
   16 MiB on gloo, 8 MiB on MPICH (where it reached 1.8 GB/s busbw against MPICH's
   0.9 at 64 MiB).
+
+Through shared memory ("gloo+shm", "mpi+shm": ranks of one host) a message costs tens
+of microseconds instead of a trip through the kernel, and every algorithm built from
+send/recv beats gloo's own all-reduce 2-5x at every size (docs/benchmarks.md).
+There: with 2 ranks the ring, at every size (one exchange each way, and the least
+copying); with more, `naive`/`tree` up to 2 MiB, the `tree` to 16 MiB (fewest hops
+while the messages are medium), then the ring (bandwidth-optimal as worlds grow).
 """
 from __future__ import annotations
 
@@ -22,8 +29,11 @@ KiB, MiB = 1 << 10, 1 << 20
 
 SMALL = "naive or tree"  # naive with at most 4 ranks, else tree (rank 0's link saturates)
 
-# For each backend: (messages below this many bytes, use this), checked in order.
+# For each transport (comm.name): (messages below this many bytes, use this), in order.
+SHARED_MEMORY = [(2 * MiB, SMALL), (16 * MiB, "tree"), (None, "ring")]
 LADDERS = {
+    "gloo+shm": SHARED_MEMORY,
+    "mpi+shm": SHARED_MEMORY,
     "mpi": [(8 * KiB, "native"), (512 * KiB, SMALL), (2 * MiB, "tree"), (8 * MiB, "native"),
             (None, "ring")],
     "gloo": [(512 * KiB, SMALL), (2 * MiB, "tree"), (16 * MiB, "native"), (None, "ring")],
@@ -31,10 +41,16 @@ LADDERS = {
 }
 
 
-def all_reduce_choice(nbytes: int, world_size: int, backend: str) -> str:
-    if world_size == 1 or (backend == "gloo" and world_size == 2 and nbytes < 64 * KiB):
+def all_reduce_choice(nbytes: int, world_size: int, transport: str) -> str:
+    """The algorithm for an all-reduce of `nbytes` over `transport` (a comm.name)."""
+    if world_size == 1:
         return "native"
-    for below, choice in LADDERS.get(backend, LADDERS["gloo"]):
+    if transport.endswith("+shm") and world_size == 2:
+        return "ring"
+    if transport == "gloo" and world_size == 2 and nbytes < 64 * KiB:
+        return "native"
+    backend = transport.split("+")[0]
+    for below, choice in LADDERS.get(transport, LADDERS.get(backend, LADDERS["gloo"])):
         if below is None or nbytes < below:
             if choice == SMALL:
                 return "naive" if world_size <= 4 else "tree"
@@ -42,13 +58,13 @@ def all_reduce_choice(nbytes: int, world_size: int, backend: str) -> str:
     raise AssertionError("every ladder ends with an unbounded step")
 
 
-def broadcast_choice(nbytes: int, world_size: int, backend: str) -> str:
+def broadcast_choice(nbytes: int, world_size: int, transport: str) -> str:
     return "native"
 
 
-def reduce_scatter_choice(nbytes: int, world_size: int, backend: str) -> str:
+def reduce_scatter_choice(nbytes: int, world_size: int, transport: str) -> str:
     return "ring"  # native has no reduce-scatter here: it would all-reduce everything
 
 
-def all_gather_choice(nbytes: int, world_size: int, backend: str) -> str:
+def all_gather_choice(nbytes: int, world_size: int, transport: str) -> str:
     return "ring"  # native has no all-gather here: it would broadcast n times

@@ -30,10 +30,12 @@ Pipelining: every chunk is cut into segments (the transport's `segment_bytes`, 4
 smaller ones lost on both TCP and shared memory, see docs/benchmarks.md). A segment is forwarded to the right as
 soon as it has been reduced, and the next step's receives are posted before this
 step's are reduced, so reducing one segment overlaps moving the next. Reduce-scatter
-receives with `irecv_reduce`: through shared memory the reduction reads the
-message where it arrived; otherwise it lands in one of two scratch buffers, used on
-alternate steps so an early receive never overwrites data still waiting to be
-reduced.
+receives with `irecv_reduce(..., forward_to=right)`: receive, add our segment, pass
+the sum on. Through shared memory that is one pass over memory (the incoming slot
+plus our segment, written straight into the outgoing slot, as NCCL's recvReduceSend);
+otherwise the message lands in one of two scratch buffers, used on alternate steps
+so an early receive never overwrites data still waiting to be reduced, and the sum
+is sent from our buffer.
 
 Every chunk's final value is computed on one rank and copied to the rest, so all ranks
 end bitwise identical.
@@ -74,10 +76,12 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
     largest = max(b - a for a, b in zip(bounds, bounds[1:]))
     scratch = [flat.new_empty(largest), flat.new_empty(largest)]  # alternate steps
 
-    def post_receives(step: int):  # each folds its message into our segment
+    def post_receives(step: int):  # each adds our segment and, but at the end, passes it on
         base = bounds[(rank - step - 2) % n]
         buffer = scratch[step % 2]
-        return [comm.irecv_reduce(flat[lo:hi], recv_from, op, buffer[lo - base:hi - base])
+        forward = None if step == n - 2 else send_to
+        return [comm.irecv_reduce(flat[lo:hi], recv_from, op, buffer[lo - base:hi - base],
+                                  forward_to=forward)
                 for lo, hi in pieces(step)]
 
     first = (rank - 1) % n
@@ -87,10 +91,9 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
     for step in range(n - 1):
         last = step == n - 2
         next_receives = [] if last else post_receives(step + 1)  # use the other scratch
-        for (lo, hi), receive in zip(pieces(step), receives):
-            receive.wait()  # flat[lo:hi] now holds this step's reduction
-            if not last:  # this reduced segment is what we send at the next step
-                sends.append(comm.isend(flat[lo:hi], send_to))
+        for receive in receives:
+            receive.wait()  # reduced, and on its way to the right unless this is the end
+            sends.append(receive.forward)
         receives = next_receives
     for send in sends:
         send.wait()

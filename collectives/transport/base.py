@@ -8,6 +8,7 @@ underneath (gloo, nccl, mpi, or a world of one); nothing above it does. Algorith
     comm.isend(t, dst) -> h      comm.irecv(t, src) -> h      h.wait() completes it
     comm.sendrecv(send_t, dst, recv_t, src)                   one step of a ring
     comm.irecv_reduce(acc, src, op) -> h    receive and fold in: acc <- acc (op) message
+                                            (forward_to=dst: and send the sum on)
     comm.barrier()
     comm.native_all_reduce(t, op)  comm.native_broadcast(t, src)   the backend's own
 
@@ -115,14 +116,21 @@ class KeepAliveHandle(Handle):
 
 
 class ReduceOnWaitHandle(Handle):
-    """A receive into scratch memory that is folded into an accumulator on wait()."""
+    """A receive into scratch memory, folded into an accumulator on wait() and, when
+    asked, sent on: `forward` is then the handle of that send."""
 
-    def __init__(self, inner: Handle, accumulator: torch.Tensor, scratch: torch.Tensor, op: str):
-        self.inner, self.accumulator, self.scratch, self.op = inner, accumulator, scratch, op
+    def __init__(self, transport: "Transport", inner: Handle, accumulator: torch.Tensor,
+                 scratch: torch.Tensor, op: str, forward_to: Optional[int]):
+        self.transport, self.inner = transport, inner
+        self.accumulator, self.scratch, self.op = accumulator, scratch, op
+        self.forward_to = forward_to
+        self.forward: Handle = DoneHandle()
 
     def wait(self) -> None:
         self.inner.wait()
         reduce_into(self.accumulator, self.scratch, self.op)
+        if self.forward_to is not None:
+            self.forward = self.transport.isend(self.accumulator, self.forward_to)
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -183,17 +191,24 @@ class Transport:
         return self._irecv(tensor, src)
 
     def irecv_reduce(self, accumulator: torch.Tensor, src: int, op: str,
-                     scratch: Optional[torch.Tensor] = None) -> Handle:
+                     scratch: Optional[torch.Tensor] = None,
+                     forward_to: Optional[int] = None) -> Handle:
         """Start receiving a message shaped like `accumulator` and fold it in with `op`.
 
         accumulator <- accumulator (op) message, once wait() returns. Here the message
         lands in `scratch` (allocated when not given) and is reduced on wait(); a
         transport whose receive buffer the receiver can read in place (shared memory)
         reduces straight out of it and never touches `scratch`.
+
+        forward_to: also send the reduced message on to that rank (a step of a ring's
+        reduce-scatter; NCCL calls it recvReduceSend). Then `accumulator` is left
+        undefined: shared memory writes the sum straight into the outgoing message and
+        never stores it. After wait(), `handle.forward` is the send's handle.
         """
         if scratch is None:
             scratch = torch.empty_like(accumulator)
-        return ReduceOnWaitHandle(self.irecv(scratch, src), accumulator, scratch, op)
+        return ReduceOnWaitHandle(self, self.irecv(scratch, src), accumulator, scratch, op,
+                                  forward_to)
 
     def recv_reduce(self, accumulator: torch.Tensor, src: int, op: str,
                     scratch: Optional[torch.Tensor] = None) -> None:

@@ -61,7 +61,7 @@ from typing import Callable, Deque, List, Optional
 
 import torch
 
-from .base import Handle, PeerError, Transport, reduce_into
+from .base import DoneHandle, Handle, PeerError, Transport, reduce_into
 
 SLOT_BYTES = 1 << 20  # one piece of a message (measured: docs/benchmarks.md)
 SLOTS = 4             # pieces in flight per channel
@@ -189,23 +189,38 @@ class _Channel:
 
 
 class _Message(Handle):
-    """A queued send or receive, moved piece by piece by its transport's progress()."""
+    """A queued send or receive, moved piece by piece by its transport's progress().
+
+    A relay (a receive whose sum is sent on) waits in two queues, the inbox it reads
+    and the outbox it writes. A piece that arrives while the relay heads the outbox
+    and a slot there is free is summed straight into that slot. Otherwise it is summed
+    into the accumulator and sent from there once a slot frees: when every rank's
+    outgoing slots are full, that is what keeps a ring of relays from waiting on itself.
+    """
+    forward: Handle = DoneHandle()  # a relay's forward is written when its pieces are
 
     def __init__(self, transport: "ShmTransport", data: torch.Tensor, peer: int, what: str,
-                 take: Optional[Callable[[torch.Tensor, int, int], None]] = None):
+                 take: Optional[Callable[..., None]] = None,
+                 relay_to: Optional["_Channel"] = None):
         self.transport = transport
         self.data = data  # the message's bytes (uint8, 1-D)
         self.size = data.numel()
-        self.offset = 0   # bytes moved so far
+        self.offset = 0   # bytes moved so far (relays: received)
+        self.sent = 0     # relays: bytes passed on
         self.peer, self.what = peer, what
         self.take = take  # receives: what to do with a piece that arrived
+        self.relay_to = relay_to  # relays: the outbox the result goes to
 
     @property
     def done(self) -> bool:
-        return self.offset >= self.size
+        return self.offset >= self.size and (self.relay_to is None or self.sent >= self.size)
 
     def wait(self) -> None:
         self.transport.wait_for(self)
+
+
+# out-of-place forms of reduce_into's ops, for writing a sum straight into a slot
+COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -339,20 +354,44 @@ class ShmTransport(Transport):
                            _Message(self, target, src, f"receive from rank {src}", copy_out))
 
     def irecv_reduce(self, accumulator: torch.Tensor, src: int, op: str,
-                     scratch: Optional[torch.Tensor] = None) -> Handle:
-        """Reduce each piece straight out of the slot it arrived in: no scratch copy."""
+                     scratch: Optional[torch.Tensor] = None,
+                     forward_to: Optional[int] = None) -> Handle:
+        """Reduce each piece straight out of the slot it arrived in: no scratch copy.
+
+        With forward_to, the sum goes straight into the slot of the outgoing message
+        and `accumulator` is only read: one pass over memory for receive, reduce, send.
+        """
         if accumulator.device.type != "cpu":
-            return super().irecv_reduce(accumulator, src, op, scratch)
+            return super().irecv_reduce(accumulator, src, op, scratch, forward_to)
         self._check_peer(accumulator, src, "irecv_reduce")
         self.traffic.count_receive(accumulator)
         target = _as_bytes(accumulator)
         dtype = accumulator.dtype
+        what = f"receive from rank {src}"
+        if forward_to is None:
+            def fold_in(piece: torch.Tensor, offset: int, size: int) -> None:
+                reduce_into(target[offset:offset + size].view(dtype), piece[:size].view(dtype),
+                            op)
 
-        def fold_in(piece: torch.Tensor, offset: int, size: int) -> None:
-            reduce_into(target[offset:offset + size].view(dtype), piece[:size].view(dtype), op)
+            return self._queue(self.inboxes[src], _Message(self, target, src, what, fold_in))
 
-        return self._queue(self.inboxes[src],
-                           _Message(self, target, src, f"receive from rank {src}", fold_in))
+        self._check_peer(accumulator, forward_to, "irecv_reduce")
+        self.traffic.count_send(accumulator)
+
+        def fold_and_pass(piece: torch.Tensor, offset: int, size: int,
+                          outgoing: Optional[torch.Tensor] = None) -> None:
+            mine = target[offset:offset + size].view(dtype)
+            if outgoing is None:  # no outgoing slot yet: keep the sum, send it later
+                reduce_into(mine, piece[:size].view(dtype), op)
+            else:
+                COMBINE[op](mine, piece[:size].view(dtype), out=outgoing[:size].view(dtype))
+
+        outbox = self.outboxes[forward_to]
+        relay = _Message(self, target, src, f"{what} (passed on to rank {forward_to})",
+                         fold_and_pass, relay_to=outbox)
+        if not relay.done:
+            outbox.queue.append(relay)  # holds our place in the order of sends to forward_to
+        return self._queue(self.inboxes[src], relay)
 
     def _queue(self, channel: _Channel, message: _Message) -> Handle:
         if not message.done:  # an empty message moves nothing
@@ -374,26 +413,42 @@ class ShmTransport(Transport):
         moved = False
         while channel.queue:
             message = channel.queue[0]
-            while not message.done:
+            relay = message.relay_to is channel
+            while (message.sent < message.offset) if relay else not message.done:
                 if not _sem_trywait(channel.free):
                     return moved
-                slot = channel.used % self.slots
-                size = min(self.slot_bytes, message.size - message.offset)
-                channel.data[slot][:size].copy_(message.data[message.offset:message.offset + size])
-                channel.headers[slot][:] = [message.size, message.offset, size]
-                _sem_post(channel.filled)
-                _sem_post(channel.bell_to_ring)
-                channel.used += 1
-                message.offset += size
+                start = message.sent if relay else message.offset
+                size = min(self.slot_bytes, message.size - start)
+                self._publish(channel, message.size, start, size,
+                              message.data[start:start + size])
+                if relay:
+                    message.sent += size
+                else:
+                    message.offset += size
                 moved = True
+            if relay and message.sent < message.size:
+                return moved  # the rest is still to arrive
             channel.queue.popleft()
         return moved
+
+    def _publish(self, channel: _Channel, total: int, offset: int, size: int,
+                 data: Optional[torch.Tensor]) -> None:
+        """Fill the next slot of a channel whose free slot we hold (copy `data` unless
+        the caller already wrote it there) and hand it to the receiver."""
+        slot = channel.used % self.slots
+        if data is not None:
+            channel.data[slot][:size].copy_(data)
+        channel.headers[slot][:] = [total, offset, size]
+        _sem_post(channel.filled)
+        _sem_post(channel.bell_to_ring)
+        channel.used += 1
 
     def _pull(self, channel: _Channel) -> bool:
         moved = False
         while channel.queue:
             message = channel.queue[0]
-            while not message.done:
+            outbox = message.relay_to
+            while message.offset < message.size:
                 if not _sem_trywait(channel.filled):
                     return moved
                 slot = channel.used % self.slots
@@ -401,7 +456,16 @@ class ShmTransport(Transport):
                 if total != message.size or offset != message.offset:
                     raise PeerError(f"{message.what}: rank {channel.peer} sent a message of "
                                     f"{total} bytes where this rank expected {message.size}")
-                message.take(channel.data[slot], offset, size)
+                if outbox is None:
+                    message.take(channel.data[slot], offset, size)
+                elif (message.sent == offset and outbox.queue[0] is message
+                      and _sem_trywait(outbox.free)):  # sum straight into the outgoing slot
+                    message.take(channel.data[slot], offset, size,
+                                 outbox.data[outbox.used % self.slots])
+                    self._publish(outbox, message.size, offset, size, None)
+                    message.sent += size
+                else:
+                    message.take(channel.data[slot], offset, size)  # sent later by _push
                 _sem_post(channel.free)
                 _sem_post(channel.bell_to_ring)
                 channel.used += 1
