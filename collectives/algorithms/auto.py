@@ -18,9 +18,12 @@ computes the same choice from the same numbers, so the ranks always agree.
 Through shared memory ("gloo+shm", "mpi+shm": ranks of one host) a message costs tens
 of microseconds instead of a trip through the kernel, and every algorithm built from
 send/recv beats gloo's own all-reduce 2-5x at every size (docs/benchmarks.md).
-There: with 2 ranks the ring, at every size (one exchange each way, and the least
-copying); with more, `naive`/`tree` up to 2 MiB, the `tree` to 16 MiB (fewest hops
-while the messages are medium), then the ring (bandwidth-optimal as worlds grow).
+There: with 2 ranks the ring, at every size (every algorithm is one exchange each way;
+they tie within the noise). With 4, `naive`/`tree` up to 2 MiB and the `tree` above:
+4 dependent hops instead of the ring's 6 steps, and on 2 oversubscribed cores every
+step waits for a rank to be woken (tree 1.2-1.6 GB/s busbw against the ring's
+1.0-1.1 at 16-64 MiB). Beyond 4 ranks (not measured here) the ring from 16 MiB: the
+tree moves the whole buffer log2(n) times, the ring 2(n-1)/n times.
 """
 from __future__ import annotations
 
@@ -28,12 +31,13 @@ KiB, MiB = 1 << 10, 1 << 20
 
 
 SMALL = "naive or tree"  # naive with at most 4 ranks, else tree (rank 0's link saturates)
+LARGE = "tree or ring"   # tree with at most 4 ranks, else ring
 
 # For each transport (comm.name): (messages below this many bytes, use this), in order.
-SHARED_MEMORY = [(2 * MiB, SMALL), (16 * MiB, "tree"), (None, "ring")]
+SHARED_MEMORY = [(2 * MiB, SMALL), (16 * MiB, "tree"), (None, LARGE)]
 LADDERS = {
     "gloo+shm": SHARED_MEMORY,
-    "mpi+shm": SHARED_MEMORY,
+    "mpi+shm": [(8 * KiB, "native")] + SHARED_MEMORY,  # MPICH's own is as quick below 8 KiB
     "mpi": [(8 * KiB, "native"), (512 * KiB, SMALL), (2 * MiB, "tree"), (8 * MiB, "native"),
             (None, "ring")],
     "gloo": [(512 * KiB, SMALL), (2 * MiB, "tree"), (16 * MiB, "native"), (None, "ring")],
@@ -54,6 +58,8 @@ def all_reduce_choice(nbytes: int, world_size: int, transport: str) -> str:
         if below is None or nbytes < below:
             if choice == SMALL:
                 return "naive" if world_size <= 4 else "tree"
+            if choice == LARGE:
+                return "tree" if world_size <= 4 else "ring"
             return choice
     raise AssertionError("every ladder ends with an unbounded step")
 

@@ -27,6 +27,10 @@ is cut into slot-sized pieces:
 and each side then rings the other's bell. The semaphores also order the memory:
 what the sender wrote before post() is visible to the receiver after its wait().
 
+A reduced receive can pass its sum on (`irecv_reduce(..., forward_to=dst)`, a ring's
+reduce-scatter step): the incoming slot and our data are added straight into the
+slot of the outgoing message, so receive, reduce and send are one pass over memory.
+
 Progress: isend/irecv queue the message and move what they can at once; the rest
 moves whenever this rank waits for anything. Each wait drives every queued message
 of this communicator, as MPI's progress engine does, so a rank waiting on a receive
