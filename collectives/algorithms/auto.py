@@ -17,13 +17,13 @@ computes the same choice from the same numbers, so the ranks always agree.
 
 Through shared memory ("gloo+shm", "mpi+shm": ranks of one host) a message costs tens
 of microseconds instead of a trip through the kernel, and every algorithm built from
-send/recv beats gloo's own all-reduce 2-5x at every size (docs/benchmarks.md).
+send/recv beats gloo's own all-reduce 2-10x at every size (docs/benchmarks.md).
 There: with 2 ranks the ring, at every size (every algorithm is one exchange each way;
 they tie within the noise). With 4, `naive`/`tree` up to 2 MiB and the `tree` above:
 4 dependent hops instead of the ring's 6 steps, and on 2 oversubscribed cores every
 step waits for a rank to be woken (tree 1.2-1.6 GB/s busbw against the ring's
-1.0-1.1 at 16-64 MiB). Beyond 4 ranks (not measured here) the ring from 16 MiB: the
-tree moves the whole buffer log2(n) times, the ring 2(n-1)/n times.
+1.0-1.5 at 16-64 MiB, three runs). Beyond 4 ranks (not measured here) the ring from
+16 MiB: the tree moves the whole buffer log2(n) times, the ring 2(n-1)/n times.
 """
 from __future__ import annotations
 
