@@ -201,7 +201,7 @@ class _Message(Handle):
     into the accumulator and sent from there once a slot frees: when every rank's
     outgoing slots are full, that is what keeps a ring of relays from waiting on itself.
     """
-    forward: Handle = DoneHandle()  # a relay's forward is written when its pieces are
+    forward: Handle = DoneHandle()  # a relay's is a _Forward
 
     def __init__(self, transport: "ShmTransport", data: torch.Tensor, peer: int, what: str,
                  take: Optional[Callable[..., None]] = None,
@@ -217,10 +217,22 @@ class _Message(Handle):
 
     @property
     def done(self) -> bool:
-        return self.offset >= self.size and (self.relay_to is None or self.sent >= self.size)
+        """Moved: sent, or received (a relay's forward may still be going out)."""
+        return self.offset >= self.size
 
     def wait(self) -> None:
-        self.transport.wait_for(self)
+        self.transport.wait_for(self, lambda: self.done)
+
+
+class _Forward(Handle):
+    """The send half of a relay: done once every piece of the sum has gone out."""
+
+    def __init__(self, relay: _Message):
+        self.relay = relay
+
+    def wait(self) -> None:
+        relay = self.relay
+        relay.transport.wait_for(relay, lambda: relay.sent >= relay.size)
 
 
 # out-of-place forms of reduce_into's ops, for writing a sum straight into a slot
@@ -393,7 +405,8 @@ class ShmTransport(Transport):
         outbox = self.outboxes[forward_to]
         relay = _Message(self, target, src, f"{what} (passed on to rank {forward_to})",
                          fold_and_pass, relay_to=outbox)
-        if not relay.done:
+        relay.forward = _Forward(relay)
+        if relay.size:
             outbox.queue.append(relay)  # holds our place in the order of sends to forward_to
         return self._queue(self.inboxes[src], relay)
 
@@ -478,11 +491,11 @@ class ShmTransport(Transport):
             channel.queue.popleft()
         return moved
 
-    def wait_for(self, message: _Message) -> None:
-        """Drive progress until `message` is done; sleep on our bell when nothing moves."""
+    def wait_for(self, message: _Message, finished: Callable[[], bool]) -> None:
+        """Drive progress until `finished()`; sleep on our bell when nothing moves."""
         timeout = self.timeout.total_seconds()
         deadline = time.monotonic() + timeout
-        while not message.done:
+        while not finished():
             if self.progress():
                 continue
             if _sem_nap(self.bell, _NAP_SECONDS):
