@@ -197,7 +197,10 @@ started = time.time()
 try:
     collectives.all_reduce(torch.ones(1 << 16), algorithm="ring", check=False)
 except collectives.PeerError as error:
-    sys.stderr.write(f"rank {{comm.rank}} after {{time.time() - started:.2f}} s: {{error}}\\n")
+    line = f"rank {{comm.rank}} after {{time.time() - started:.2f}} s: {{error}}\\n"
+    sys.stderr.write(line)
+    with open({report!r}, "a") as report:  # mpirun may drop output as MPI_Abort ends it
+        report.write(line)
     collectives.abort(1)  # MPI_Abort: mpirun ends the hung rank too
 """
 
@@ -206,11 +209,14 @@ def case_mpi_stall_under_mpirun():
     """The mpi backend under real mpirun: a hung rank, the others time out and exit 1."""
     from collectives.mpi_launcher import find_mpirun
     started = time.time()
-    result = subprocess.run([find_mpirun()[0], "-np", "3", sys.executable, "-c",
-                             MPI_STALL.format(timeout=TIMEOUT)], capture_output=True,
-                            text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    seconds = time.time() - started
-    lines = [line for line in result.stderr.splitlines() if " after " in line]
+    with tempfile.TemporaryDirectory() as folder:
+        report = os.path.join(folder, "errors.txt")
+        result = subprocess.run([find_mpirun()[0], "-np", "3", sys.executable, "-c",
+                                 MPI_STALL.format(timeout=TIMEOUT, report=report)],
+                                capture_output=True, text=True, timeout=120,
+                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        seconds = time.time() - started
+        lines = open(report).read().splitlines() if os.path.exists(report) else []
     ok = (result.returncode != 0 and 1 <= len(lines) <= 2  # the first abort may end the other
           and all("all_reduce (ring" in line and "timed out" in line for line in lines))
     return Outcome(ok, seconds, lines[0] if lines else result.stderr[-300:])
