@@ -1,13 +1,10 @@
-"""Small pieces every algorithm shares: splitting a buffer and reducing into it."""
+"""Small pieces every algorithm shares: splitting a buffer into chunks and segments.
+
+(Reducing one buffer into another, `reduce_into`, lives with the transport, which can
+fold a message in as it arrives: Transport.irecv_reduce.)"""
 from __future__ import annotations
 
 from typing import List, Tuple
-
-import torch
-
-# reduce_into lives with the transport, which can fold a message in as it arrives
-# (Transport.irecv_reduce); algorithms use it from here.
-from ..transport.base import ALGORITHM_OPS, reduce_into  # noqa: F401
 
 
 def chunk_bounds(numel: int, parts: int) -> List[int]:

@@ -51,7 +51,6 @@ host and every segment could be mapped; otherwise it returns the backend as it i
 from __future__ import annotations
 
 import ctypes
-import errno
 import hashlib
 import mmap
 import os
@@ -60,7 +59,6 @@ import socket
 import sys
 import time
 from collections import deque
-from datetime import timedelta
 from typing import Callable, Deque, List, Optional
 
 import torch
