@@ -133,7 +133,7 @@ def _with_shared_memory(comm: Transport, wanted: Optional[bool]) -> Transport:
         return comm
     connected = ShmTransport.connect(comm)
     if wanted and connected is comm:
-        raise LaunchError("shared memory was required (COLLECTIVES_SHM=on) but not every "
+        raise LaunchError("shared memory was required (shm on) but not every "
                           "rank is on this host, or /dev/shm could not be used")
     return connected
 

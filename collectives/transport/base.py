@@ -137,16 +137,17 @@ def nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def reduce_into(accumulator: torch.Tensor, incoming: torch.Tensor, op: str) -> None:
-    """accumulator <- accumulator (op) incoming, elementwise and in place."""
-    if op == "sum":
-        accumulator.add_(incoming)
-    elif op == "max":
-        torch.maximum(accumulator, incoming, out=accumulator)
-    elif op == "min":
-        torch.minimum(accumulator, incoming, out=accumulator)
-    else:
+# Each op's out-of-place torch function: reduce_into writes into the accumulator, or
+# (shared memory) straight into an outgoing message.
+COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+
+
+def reduce_into(accumulator: torch.Tensor, incoming: torch.Tensor, op: str,
+                out: Optional[torch.Tensor] = None) -> None:
+    """out <- accumulator (op) incoming, elementwise; `out` defaults to the accumulator."""
+    if op not in COMBINE:
         raise ValueError(f"reduce op {op!r} is not one of {ALGORITHM_OPS}")
+    COMBINE[op](accumulator, incoming, out=accumulator if out is None else out)
 
 
 class Transport:

@@ -233,10 +233,6 @@ class _Forward(Handle):
         relay.transport.wait_for(relay, lambda: relay.sent >= relay.size)
 
 
-# out-of-place forms of reduce_into's ops, for writing a sum straight into a slot
-COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
-
-
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
@@ -382,27 +378,21 @@ class ShmTransport(Transport):
         target = _as_bytes(accumulator)
         dtype = accumulator.dtype
         what = f"receive from rank {src}"
+
+        def fold(piece: torch.Tensor, offset: int, size: int,
+                 outgoing: Optional[torch.Tensor] = None) -> None:
+            """Add a piece into our buffer, or (a relay's) into the outgoing slot."""
+            out = None if outgoing is None else outgoing[:size].view(dtype)
+            reduce_into(target[offset:offset + size].view(dtype), piece[:size].view(dtype),
+                        op, out)
+
         if forward_to is None:
-            def fold_in(piece: torch.Tensor, offset: int, size: int) -> None:
-                reduce_into(target[offset:offset + size].view(dtype), piece[:size].view(dtype),
-                            op)
-
-            return self._queue(self.inboxes[src], _Message(self, target, src, what, fold_in))
-
+            return self._queue(self.inboxes[src], _Message(self, target, src, what, fold))
         self._check_peer(accumulator, forward_to, "irecv_reduce")
         self.traffic.count_send(accumulator)
-
-        def fold_and_pass(piece: torch.Tensor, offset: int, size: int,
-                          outgoing: Optional[torch.Tensor] = None) -> None:
-            mine = target[offset:offset + size].view(dtype)
-            if outgoing is None:  # no outgoing slot yet: keep the sum, send it later
-                reduce_into(mine, piece[:size].view(dtype), op)
-            else:
-                COMBINE[op](mine, piece[:size].view(dtype), out=outgoing[:size].view(dtype))
-
         outbox = self.outboxes[forward_to]
         relay = _Message(self, target, src, f"{what} (passed on to rank {forward_to})",
-                         fold_and_pass, relay_to=outbox)
+                         fold, relay_to=outbox)
         relay.forward = _Forward(relay)
         if relay.size:
             outbox.queue.append(relay)  # holds our place in the order of sends to forward_to
