@@ -12,10 +12,17 @@
    is the master.
 
 The communicator becomes the default for later calls (`collectives.get_comm()`).
+
+Ending: a script need not call `destroy()`. init() closes the communicator when the
+interpreter exits (see `_close_at_exit`), and under MPI an exception that escapes on
+one rank ends the whole job at once instead of leaving its peers waiting.
 """
 from __future__ import annotations
 
+import atexit
 import os
+import time
+import weakref
 import re
 import socket
 import subprocess
@@ -33,8 +40,11 @@ from .transport.shm import ShmTransport, want_shm
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DEFAULT_TIMEOUT = timedelta(seconds=300)
+EXIT_GRACE_SECONDS = 5.0  # at exit, the longest wait for background threads to finish
 
 _default: Optional[Transport] = None
+_exit_hooks_installed = False
+_background = weakref.WeakSet()  # threads of ours to stop before the communicator closes
 
 
 def _as_timedelta(timeout: Union[None, float, timedelta]) -> timedelta:
@@ -189,7 +199,77 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
                                   device, timeout)
     comm = _with_shared_memory(comm, shm_wanted)
     _default = comm
+    _install_exit_hooks()
     return comm
+
+
+def _close_at_exit() -> None:
+    """Close the default communicator while the interpreter is still whole.
+
+    Left to the interpreter's own shutdown, gloo's threads are destroyed while they
+    still run and the C++ runtime aborts the process ("terminate called without an
+    active exception", SIGABRT) after the script has finished: a job that did its work
+    reports failure. Closing is local to this rank (nothing is sent), so it never waits
+    on a peer, alive or gone. Runs after a normal end, sys.exit(), an uncaught
+    exception and KeyboardInterrupt alike; not after os._exit().
+
+    Background communication threads (the bucketer's, async strategies') are stopped
+    first, so none is inside a transport that is being closed. Each gets a few seconds
+    to finish the round it is in with peers that are exiting too.
+    """
+    try:
+        _stop_background(EXIT_GRACE_SECONDS)
+        destroy()
+    except Exception as error:  # exiting anyway: say so, never turn an exit into a crash
+        print(f"collectives: closing the communicator at exit failed: {error}",
+              file=sys.stderr)
+
+
+def stop_at_exit(worker) -> None:
+    """Have `worker` (with stop() and join(seconds)) stopped before the exit closes the
+    communicator. Background communication threads register themselves here."""
+    _background.add(worker)
+
+
+def _stop_background(seconds: float) -> None:
+    """Stop every registered worker and give them `seconds` in all to finish.
+
+    A job still running after that talks to a peer that has not come; it is left to its
+    daemon thread (its own timeout ends it), since exiting must not wait on a peer.
+    """
+    workers = list(_background)
+    for worker in workers:
+        worker.stop()
+    deadline = time.monotonic() + seconds
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+
+
+def _abort_mpi_job_on_uncaught(previous_hook):
+    """Under mpirun, an exception that escapes on one rank ends the whole job at once.
+
+    Once MPI is initialised (the mpi backend, or gloo whose rendezvous went over MPI),
+    MPI_Finalize at exit can wait for the other ranks while they wait for this one
+    until their timeout. So, as `python -m mpi4py` does, print the error and call
+    MPI_Abort: mpirun ends every rank and fails the job with this rank's error on
+    screen. (torchrun needs nothing: it ends the other workers when one fails.)
+    """
+    def hook(kind, error, trace):
+        previous_hook(kind, error, trace)
+        mpi = sys.modules.get("mpi4py.MPI")
+        comm = _default
+        if (comm is not None and comm.world_size > 1 and mpi is not None
+                and mpi.Is_initialized() and not mpi.Is_finalized()):
+            abort(130 if issubclass(kind, KeyboardInterrupt) else 1)
+    return hook
+
+
+def _install_exit_hooks() -> None:
+    global _exit_hooks_installed
+    if not _exit_hooks_installed:
+        atexit.register(_close_at_exit)
+        sys.excepthook = _abort_mpi_job_on_uncaught(sys.excepthook)
+        _exit_hooks_installed = True
 
 
 def get_comm() -> Transport:

@@ -38,6 +38,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .bootstrap import stop_at_exit
 from .transport import Transport
 
 MiB = 1 << 20
@@ -84,7 +85,11 @@ def assign_buckets(params: Sequence[torch.nn.Parameter], bucket_cap_mb: float,
 
 
 class CommWorker:
-    """A thread that runs communication jobs one at a time, in submission order."""
+    """A thread that runs communication jobs one at a time, in submission order.
+
+    Each worker is stopped (and joined, briefly) before the process closes the
+    communicators at exit: see bootstrap.stop_at_exit.
+    """
 
     def __init__(self):
         self.jobs: "queue.Queue" = queue.Queue()
@@ -92,6 +97,7 @@ class CommWorker:
         self.busy_seconds = 0.0  # time spent communicating, for reports
         self.thread = threading.Thread(target=self._run, name="collectives-comm", daemon=True)
         self.thread.start()
+        stop_at_exit(self)
 
     def _run(self) -> None:
         while True:
@@ -114,7 +120,11 @@ class CommWorker:
         return done
 
     def stop(self) -> None:
+        """Finish the jobs already submitted, then end the thread."""
         self.jobs.put((None, None))
+
+    def join(self, seconds: float) -> None:
+        self.thread.join(seconds)
 
 
 class Bucketer:
