@@ -19,6 +19,12 @@ schedule (2(n-1) sendrecv steps of one chunk each) with no reduction, which is t
 practical limit of any ring on this transport. `handshake` is the argument check that
 collectives.all_reduce runs before each call unless check=False; it is timed alone.
 
+On the emulated cluster (`python -m collectives.cluster ... -- python -m
+collectives.bench`) two columns are added: `link`, the busbw the links allow (each
+link's rate each way: a bandwidth-optimal flat algorithm cannot beat it), and `nic`,
+the megabytes that the busiest host's NIC really sent per call (Ethernet, IP and TCP
+headers included: about 5 % over the payload).
+
 Timing: each rank runs the collective back to back and the slowest rank's mean is
 reported. The timed buffers hold zeros so repeated sums cannot overflow; #wrong comes
 from a separate run on data whose result is known exactly.
@@ -35,7 +41,7 @@ from typing import Dict, List
 
 import torch
 
-from . import algorithms, api
+from . import algorithms, api, cluster
 
 BUS_FACTOR = {  # busbw / algbw, as nccl-tests
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -79,6 +85,7 @@ class Runner:
     def __init__(self, comm, dtype, min_iters, seconds_per_row, trials):
         self.comm, self.dtype = comm, dtype
         self.min_iters, self.seconds_per_row, self.trials = min_iters, seconds_per_row, trials
+        self.nic_bytes_per_call = None  # on the emulated cluster: the busiest host's NIC
 
     def _slowest(self, seconds: float) -> float:
         value = torch.tensor([seconds], dtype=torch.float64)
@@ -98,12 +105,16 @@ class Runner:
         budget = self.seconds_per_row / self.trials
         iters = max(self.min_iters, min(200, int(budget / max(once, 1e-6))))
         means = []
+        nic_before = cluster.link_bytes()
         for _ in range(self.trials):
             self.comm.barrier()
             started = time.perf_counter()
             for _ in range(iters):
                 step()
             means.append(self._slowest((time.perf_counter() - started) / iters))
+        if nic_before is not None:  # barriers and the timing all-reduces: a few hundred bytes
+            sent = cluster.link_bytes()["sent"] - nic_before["sent"]
+            self.nic_bytes_per_call = self._slowest(sent / (iters * self.trials))
         return sorted(means)[len(means) // 2]
 
     def measure(self, op: str, algorithm: str, nbytes: int) -> Dict:
@@ -115,12 +126,16 @@ class Runner:
         step, wrong = self._build(op, algorithm, count)
         seconds = self._time(step)
         algbw = count * element / seconds / 1e9
-        return dict(op=op, algorithm=algorithm, backend=comm.backend, transport=comm.name,
-                    world_size=n,
-                    bytes=count * element, count=count, dtype=str(self.dtype).split(".")[-1],
-                    time_us=seconds * 1e6, algbw_gbps=algbw,
-                    busbw_gbps=algbw * BUS_FACTOR.get(op, lambda n: 2 * (n - 1) / n)(n),
-                    wrong=wrong)
+        row = dict(op=op, algorithm=algorithm, backend=comm.backend, transport=comm.name,
+                   world_size=n,
+                   bytes=count * element, count=count, dtype=str(self.dtype).split(".")[-1],
+                   time_us=seconds * 1e6, algbw_gbps=algbw,
+                   busbw_gbps=algbw * BUS_FACTOR.get(op, lambda n: 2 * (n - 1) / n)(n),
+                   wrong=wrong)
+        link = cluster.link_rate_bytes()
+        if link is not None:
+            row.update(link_gbps=link / 1e9, nic_mb_per_call=self.nic_bytes_per_call / 1e6)
+        return row
 
     def _build(self, op: str, algorithm: str, count: int):
         """(a zero-argument timed step, #wrong from one checked run)."""
@@ -168,15 +183,27 @@ class Runner:
         raise ValueError(f"unknown op {op}")
 
 
+def _gbps(value: float) -> str:
+    return f"{value:>7.3f}" if value >= 0.1 else f"{value:>7.4f}"  # slow links: 4 decimals
+
+
 def format_row(row: Dict) -> str:
-    return (f"{row['bytes']:>12} {row['count']:>11} {row['dtype']:>8} {row['op']:>14} "
-            f"{row['algorithm']:>16} {row['time_us']:>11.1f} {row['algbw_gbps']:>7.3f} "
-            f"{row['busbw_gbps']:>7.3f} {row['wrong']:>6}")
+    text = (f"{row['bytes']:>12} {row['count']:>11} {row['dtype']:>8} {row['op']:>14} "
+            f"{row['algorithm']:>16} {row['time_us']:>11.1f} {_gbps(row['algbw_gbps'])} "
+            f"{_gbps(row['busbw_gbps'])} {row['wrong']:>6}")
+    if "link_gbps" in row:
+        text += f" {_gbps(row['link_gbps'])} {row['nic_mb_per_call']:>8.2f}"
+    return text
 
 
-HEADER = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'op':>14} {'algorithm':>16} "
-          f"{'time(us)':>11} {'algbw':>7} {'busbw':>7} {'#wrong':>6}\n"
-          f"{'':>12} {'':>11} {'':>8} {'':>14} {'':>16} {'':>11} {'(GB/s)':>7} {'(GB/s)':>7}")
+def header(on_cluster: bool) -> str:
+    names = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'op':>14} {'algorithm':>16} "
+             f"{'time(us)':>11} {'algbw':>7} {'busbw':>7} {'#wrong':>6}")
+    units = f"{'':>12} {'':>11} {'':>8} {'':>14} {'':>16} {'':>11} {'(GB/s)':>7} {'(GB/s)':>7}"
+    if on_cluster:
+        names += f" {'link':>7} {'nic':>8}"
+        units += f" {'':>6} {'(GB/s)':>7} {'(MB)':>8}"
+    return names + "\n" + units
 
 
 def run_benchmark(comm, args) -> List[Dict]:
@@ -185,7 +212,11 @@ def run_benchmark(comm, args) -> List[Dict]:
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"# collectives.bench: {comm.name}, {comm.world_size} ranks, "
         f"dtype {args.dtype}, ring segment {comm.segment_bytes // 1024} KiB")
-    say(HEADER)
+    link = cluster.link_rate_bytes()
+    if link is not None:
+        say(f"# emulated cluster: links of {link * 8 / 1e6:g} Mbit/s each way; nic = MB the "
+            "busiest host's NIC sent per call")
+    say(header(link is not None))
     for op in args.ops:
         wanted = [a for a in args.algorithms if a in algorithms.names(op) or
                   (a == "p2p-ring" and op == "all_reduce")]

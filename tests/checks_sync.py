@@ -144,19 +144,29 @@ def byte_counts_match_formulas(comm):
     return {"dense": dense, "fp16": dense // 2, "topk": sparse, "powersgd": low_rank}
 
 
-def async_avg_does_not_wait_for_a_slow_rank(comm):
+def async_avg_does_not_wait_for_a_slow_rank(comm, flag_path):
+    """Rank 1 stalls in its first step until rank 0 has finished all its steps.
+
+    If async-avg made the training thread wait for its peers anywhere, rank 0 could not
+    finish while rank 1 stalls, rank 1's wait would run out, and the check fails:
+    no timing is involved. Returns (rank 0 finished while rank 1 stalled, rounds, bytes).
+    """
     strategy = sync.create("async-avg", algorithm="ring")
     model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
     comm.traffic.reset()  # the rounds run on a duplicate communicator that counts here
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    started = time.perf_counter()
+    finished_first = None
     for step in range(1, 11):
-        if comm.rank == 1:
-            time.sleep(0.2)  # the straggler
         step_once(model, strategy, optimizer, *shard(comm, step), step)
-    loop_seconds = time.perf_counter() - started
+        if comm.rank == 1 and step == 1:  # the straggler
+            deadline = time.monotonic() + 60
+            while not os.path.exists(flag_path) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            finished_first = os.path.exists(flag_path)
+    if comm.rank == 0:
+        open(flag_path, "w").close()
     strategy.close()
-    return loop_seconds, strategy.rounds, comm.traffic.bytes_sent
+    return finished_first, strategy.rounds, comm.traffic.bytes_sent
 
 
 def load_mnist(train):

@@ -39,12 +39,12 @@ def test_compression_byte_counts_match_their_formulas():
 
 
 @pytest.mark.timeout(120)
-def test_async_avg_is_not_stalled_by_a_slow_rank():
-    (fast, fast_rounds, fast_bytes), (slow, slow_rounds, _) = run_world(
-        async_avg_does_not_wait_for_a_slow_rank, 2, timeout=100)
+def test_async_avg_is_not_stalled_by_a_slow_rank(tmp_path):
+    (_, fast_rounds, fast_bytes), (finished_first, slow_rounds, _) = run_world(
+        async_avg_does_not_wait_for_a_slow_rank, 2, (str(tmp_path / "rank0-done"),),
+        timeout=100)
+    assert finished_first, "rank 0 could not finish its steps while rank 1 stalled"
     assert fast_bytes > 0, "the background rounds' bytes were not counted"
-    assert slow >= 2.0
-    assert fast < slow / 2, f"the fast rank took {fast:.2f} s, the slow one {slow:.2f} s"
     assert fast_rounds == slow_rounds >= 1  # both ranks stopped after the same round
 
 

@@ -1,0 +1,116 @@
+"""python -m collectives.cluster: run a command as a job on N emulated hosts.
+
+    python -m collectives.cluster --hosts 2 -- python -m collectives.bench --sizes 16M
+    python -m collectives.cluster --hosts 4 --ranks-per-host 2 --bandwidth 100mbit -- \\
+        python -m trainer --epochs 1
+    python -m collectives.cluster --ranks-per-host 1,3 -- python script.py    (uneven hosts)
+    python -m collectives.cluster --hosts 2 --ranks-per-host 2 --launcher mpirun -- \\
+        mpirun -np 4 python -m trainer --backend mpi
+    python -m collectives.cluster --cleanup        (remove what killed runs left behind)
+
+The network exists only while the job runs: it is built before the first rank starts
+and removed when the job ends, fails, or is interrupted (Ctrl-C, SIGTERM). Exit status:
+the worst rank's; 2 when the cluster cannot be built here (one line says why).
+"""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+from typing import List, Optional, Sequence
+
+from .job import start_mpirun, start_ranks
+from .network import ClusterError, ClusterSpec, Network, remove_leftovers
+
+
+def _ranks_per_host(hosts: Optional[int], per_host: str) -> List[int]:
+    counts = [int(part) for part in per_host.split(",")]
+    if len(counts) == 1:
+        return counts * (hosts or 1)
+    if hosts is not None and hosts != len(counts):
+        raise ValueError(f"--hosts {hosts} but --ranks-per-host lists {len(counts)} hosts")
+    return counts
+
+
+def parse(argv: Sequence[str]):
+    argv = list(argv)
+    command: List[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, command = argv[:cut], argv[cut + 1:]
+    parser = argparse.ArgumentParser(
+        prog="python -m collectives.cluster",
+        description="Run COMMAND as a job on emulated hosts of this machine: each host a "
+                    "network namespace with its own hostname, all joined by one switch, "
+                    "every link shaped to --bandwidth both ways. Needs root.",
+        epilog="example: python -m collectives.cluster --hosts 4 --bandwidth 100mbit -- "
+               "python -m collectives.bench --sizes 16M,64M")
+    parser.add_argument("--hosts", type=int, metavar="N", help="number of hosts (default 1, "
+                        "or as many as --ranks-per-host lists)")
+    parser.add_argument("--ranks-per-host", default="1", metavar="L[,L...]",
+                        help="ranks on each host: one number for all, or one per host "
+                             "(1,3: uneven). Default 1")
+    parser.add_argument("--bandwidth", metavar="RATE", help="each link's rate each way, in "
+                        "tc's units: 100mbit, 1gbit (default: unshaped)")
+    parser.add_argument("--latency", metavar="DELAY", help="added one-way delay (5ms); needs "
+                        "the kernel's netem qdisc")
+    parser.add_argument("--launcher", choices=("ranks", "mpirun"), default="ranks",
+                        help="ranks (default): start every rank with torchrun's variables; "
+                             "mpirun: run COMMAND, an mpirun line, on node0 with ssh "
+                             "replaced so it reaches every host")
+    parser.add_argument("--no-prefix", action="store_true",
+                        help="do not prefix each output line with its rank")
+    parser.add_argument("--cleanup", action="store_true",
+                        help="remove namespaces and files left by runs that were killed")
+    args = parser.parse_args(argv)
+    if args.cleanup:
+        return args, command, None
+    if not command:
+        parser.error("no command given: put it after --, e.g. -- python -m trainer")
+    try:
+        if args.hosts is not None and args.hosts < 1:
+            raise ValueError(f"--hosts must be at least 1, got {args.hosts}")
+        spec = ClusterSpec(_ranks_per_host(args.hosts, args.ranks_per_host),
+                           args.bandwidth, args.latency)
+    except ValueError as error:
+        parser.error(str(error))
+    return args, command, spec
+
+
+def _exit_on_sigterm(signum, frame):
+    raise SystemExit(128 + signum)  # unwinds through the finally below
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args, command, spec = parse(sys.argv[1:] if argv is None else argv)
+    if args.cleanup:
+        try:
+            removed = remove_leftovers()
+        except ClusterError as error:
+            print(f"collectives.cluster: error: {error}", file=sys.stderr)
+            return 2
+        print(f"removed {len(removed)} run(s){': ' + ', '.join(removed) if removed else ''}")
+        return 0
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    network = Network(spec)
+    job = None
+    try:
+        network.build()
+        if args.launcher == "mpirun":
+            job = start_mpirun(network, command)
+        else:
+            job = start_ranks(network, command, prefix=not args.no_prefix)
+        return job.wait()
+    except ClusterError as error:
+        print(f"collectives.cluster: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if job is not None:
+            job.kill()
+        network.remove()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

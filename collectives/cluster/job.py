@@ -1,0 +1,160 @@
+"""Starting a job's ranks on the emulated hosts, the way a multi-node launcher does.
+
+Two ways, as on a real cluster:
+
+- `start_ranks` (torchrun-style): this process starts every rank itself, each inside
+  its host's namespaces, with the variables torchrun sets on a multi-node job:
+
+      RANK  WORLD_SIZE  LOCAL_RANK  LOCAL_WORLD_SIZE  GROUP_RANK (the host's index)
+      GROUP_WORLD_SIZE  MASTER_ADDR (node0's address)  MASTER_PORT
+      GLOO_SOCKET_IFNAME=eth0 (the NIC gloo binds to)
+
+- `start_mpirun`: the user's own `mpirun ...` runs on node0, and MPICH's mpiexec
+  starts its proxy on every other host through `collectives.cluster.rsh`, a stand-in
+  for ssh that enters that host's namespaces (HYDRA_LAUNCHER_EXEC). A host file lists
+  every host with its number of ranks, so a plain `mpirun -np N` fills them in order.
+
+Either way every process also gets COLLECTIVES_CLUSTER_IFACE (its NIC, whose byte
+counters `collectives.cluster.link_bytes()` reads) and COLLECTIVES_CLUSTER_RATE (the
+link's bits per second), so benchmarks can report what really crossed the wire.
+
+Output: each rank's lines are prefixed with `[rank R node H]: ` (as torchrun's --tee
+and --role do), and the job's exit status is the worst rank's.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+from typing import Dict, List, Optional, Sequence
+
+from .network import IFACE, Network, rate_bits
+
+MASTER_PORT = 29500  # node0's namespace is new: nothing else listens there
+
+
+def _cluster_env(network: Network) -> Dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["COLLECTIVES_CLUSTER_IFACE"] = IFACE
+    env["GLOO_SOCKET_IFNAME"] = IFACE
+    if network.spec.bandwidth:
+        env["COLLECTIVES_CLUSTER_RATE"] = str(rate_bits(network.spec.bandwidth))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
+                 "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
+                 "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "PMIX_RANK"):
+        env.pop(name, None)  # we are the launcher now
+    return env
+
+
+def placement(ranks_per_host: Sequence[int]) -> List[tuple]:
+    """(rank, host, local rank) for every rank: each host's ranks are consecutive."""
+    out, rank = [], 0
+    for host, count in enumerate(ranks_per_host):
+        for local in range(count):
+            out.append((rank, host, local))
+            rank += 1
+    return out
+
+
+class _Prefixer(threading.Thread):
+    """Copies a rank's output to ours, with its name at the start of every line."""
+
+    def __init__(self, source, target, prefix: str):
+        super().__init__(daemon=True)
+        self.source, self.target, self.prefix = source, target, prefix.encode()
+
+    def run(self) -> None:
+        at_line_start = True
+        fd = self.source.fileno()
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return
+            out = bytearray()
+            for piece in chunk.splitlines(keepends=True):
+                if at_line_start:
+                    out += self.prefix
+                out += piece
+                at_line_start = piece.endswith(b"\n")
+            self.target.write(bytes(out))
+            self.target.flush()
+
+
+class Job:
+    """The processes of one job; wait() returns the worst exit status."""
+
+    def __init__(self, processes: List[subprocess.Popen], names: List[str], prefix: bool):
+        self.processes, self.names = processes, names
+        self.pumps: List[_Prefixer] = []
+        if prefix:
+            for process, name in zip(processes, names):
+                for source, target in ((process.stdout, sys.stdout.buffer),
+                                       (process.stderr, sys.stderr.buffer)):
+                    pump = _Prefixer(source, target, f"[{name}]: ")
+                    pump.start()
+                    self.pumps.append(pump)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        codes = [process.wait(timeout) for process in self.processes]
+        for pump in self.pumps:
+            pump.join()
+        return worst_status(codes)
+
+    def kill(self) -> None:
+        for process in self.processes:
+            if process.poll() is None:
+                process.kill()
+
+
+def worst_status(codes: Sequence[int]) -> int:
+    """The job's exit status: 0 if all ranks succeeded, else the worst one's (a rank
+    killed by signal S counts as 128 + S, as a shell reports it)."""
+    statuses = [128 - code if code < 0 else code for code in codes]
+    failed = [status for status in statuses if status != 0]
+    return max(failed) if failed else 0
+
+
+def start_ranks(network: Network, command: Sequence[str], prefix: bool = True,
+                extra_env: Optional[Dict[str, str]] = None) -> Job:
+    """Start `command` once per rank, each in its host's namespaces (torchrun-style)."""
+    spec = network.spec
+    base = _cluster_env(network)
+    base.update(extra_env or {})
+    processes, names = [], []
+    for rank, host, local in placement(spec.ranks_per_host):
+        env = dict(base, RANK=str(rank), WORLD_SIZE=str(spec.world_size),
+                   LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(spec.ranks_per_host[host]),
+                   GROUP_RANK=str(host), GROUP_WORLD_SIZE=str(spec.hosts),
+                   MASTER_ADDR=spec.address(0), MASTER_PORT=str(MASTER_PORT))
+        pipe = subprocess.PIPE if prefix else None
+        processes.append(subprocess.Popen(network.enter(host) + list(command), env=env,
+                                          stdout=pipe, stderr=pipe))
+        names.append(f"rank {rank} {spec.hostname(host)}")
+    return Job(processes, names, prefix)
+
+
+def rsh_script(network: Network) -> str:
+    """Write the executable that mpiexec calls instead of ssh, and return its path."""
+    path = os.path.join(network.state_dir, "rsh")
+    with open(path, "w") as script:
+        script.write(f"#!/bin/sh\nexec {sys.executable} -m collectives.cluster.rsh "
+                     f"{network.state_dir} \"$@\"\n")
+    os.chmod(path, 0o755)
+    return path
+
+
+def start_mpirun(network: Network, command: Sequence[str],
+                 extra_env: Optional[Dict[str, str]] = None) -> Job:
+    """Run `command` (an mpirun/mpiexec line) on node0, with ssh replaced by our rsh."""
+    spec = network.spec
+    host_file = os.path.join(network.state_dir, "hosts")
+    with open(host_file, "w") as hosts:
+        hosts.writelines(f"{spec.hostname(h)}:{n}\n" for h, n in enumerate(spec.ranks_per_host))
+    env = _cluster_env(network)
+    env.update(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=rsh_script(network),
+               HYDRA_HOST_FILE=host_file, HYDRA_IFACE=IFACE)
+    env.update(extra_env or {})
+    process = subprocess.Popen(network.enter(0) + list(command), env=env)
+    return Job([process], ["mpirun"], prefix=False)

@@ -1,0 +1,320 @@
+r"""The emulated network: hosts as Linux namespaces, one switch, shaped links.
+
+First declare what the network is (`ClusterSpec`), then bring it up (`Network.build`)
+and always tear it down (`Network.remove`), as Mininet does with its Topo and
+net.start()/net.stop():
+
+        node0              node1              node2           a host: a network namespace
+      [ eth0 ]           [ eth0 ]           [ eth0 ]          (its own interfaces, addresses,
+         |  10.200.0.1      |  10.200.0.2      |  10.200.0.3   ports) and a UTS namespace
+         |                  |                  |               (its own hostname)
+      [ node0 ]----------[ node1 ]---------[ node2 ]          the switch: a bridge in a
+      |______________ bridge "switch" ______________|          namespace of its own
+
+Each link is a veth pair, full duplex. A link of rate R is shaped in both directions
+with the kernel's token-bucket filter (tc tbf): on the host's eth0 for what the host
+sends and on the switch's port for what it receives, so a host can send R and receive
+R at the same time, as on a real NIC. `--latency` needs tc's netem qdisc, which not
+every kernel has.
+
+What a process run "on" a host sees: `nsenter --uts=<host's UTS ns> ip netns exec
+<host's net ns> CMD`. `ip netns exec` also mounts the host's own /sys (so
+/sys/class/net/eth0 is the host's NIC and its byte counters) and bind-mounts the files
+of /etc/netns/<name>/ over /etc: each host gets an /etc/hosts naming every host, so
+hostnames resolve as on a real cluster (MPICH and gloo rely on that).
+
+Names are unique per run (`cc<6 hex digits>-node0`, ...), so two runs, or tests in
+parallel, never collide. Everything a run creates is listed in its state folder
+(/run/collectives-cluster/<run>/); `remove()` deletes it all, and `remove_leftovers()`
+(`python -m collectives.cluster --cleanup`) does so for runs whose launcher has died.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+STATE_ROOT = "/run/collectives-cluster"
+SUBNET = "10.200.0"        # host i is SUBNET.(i+1)/24; private to the run's namespaces
+IFACE = "eth0"             # each host's NIC
+TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "umount")
+_RUN_NAME = re.compile(r"^cc[0-9a-f]{6}$")
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot be built here (privileges, tools, kernel); one line says why."""
+
+
+def rate_bits(rate: str) -> int:
+    """Bits per second of a tc-style rate: "100mbit", "1gbit", "500kbit", "10gbit"."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(bit|kbit|mbit|gbit|tbit)\s*", rate.lower())
+    if not match:
+        raise ValueError(f"rate {rate!r}: write a number and kbit, mbit or gbit "
+                         "(e.g. 100mbit)")
+    scale = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
+    bits = float(match.group(1)) * scale[match.group(2)]
+    if bits < 8000:
+        raise ValueError(f"rate {rate!r} is too slow to carry a TCP connection")
+    return int(bits)
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """What the emulated cluster is: hosts, ranks on each, and its links."""
+    ranks_per_host: Sequence[int]          # one entry per host, e.g. (2, 2) or (1, 3)
+    bandwidth: Optional[str] = None        # each link's rate each way ("100mbit"); None: unshaped
+    latency: Optional[str] = None          # added one-way delay ("5ms"); needs netem
+
+    def __post_init__(self):
+        if not self.ranks_per_host or min(self.ranks_per_host) < 1:
+            raise ValueError("every host needs at least one rank")
+        if self.bandwidth is not None:
+            rate_bits(self.bandwidth)
+
+    @property
+    def hosts(self) -> int:
+        return len(self.ranks_per_host)
+
+    @property
+    def world_size(self) -> int:
+        return sum(self.ranks_per_host)
+
+    def hostname(self, host: int) -> str:
+        return f"node{host}"
+
+    def address(self, host: int) -> str:
+        return f"{SUBNET}.{host + 1}"
+
+
+@dataclass
+class Network:
+    """One run's namespaces, links and files; build() makes them, remove() deletes them."""
+    spec: ClusterSpec
+    run: str = field(default_factory=lambda: f"cc{secrets.token_hex(3)}")
+    owner: int = field(default_factory=os.getpid)
+
+    # --- names ----------------------------------------------------------------------
+    @property
+    def state_dir(self) -> str:
+        return os.path.join(STATE_ROOT, self.run)
+
+    def netns(self, host: int) -> str:
+        return f"{self.run}-{self.spec.hostname(host)}"
+
+    @property
+    def switch(self) -> str:
+        return f"{self.run}-switch"
+
+    def uts_file(self, host: int) -> str:
+        return os.path.join(self.state_dir, f"{self.spec.hostname(host)}.uts")
+
+    def etc_dir(self, host: int) -> str:
+        return os.path.join("/etc/netns", self.netns(host))
+
+    def enter(self, host: int) -> List[str]:
+        """The argv prefix that runs a command on `host` (its hostname, network, /etc)."""
+        return ["nsenter", f"--uts={self.uts_file(host)}", "ip", "netns", "exec",
+                self.netns(host)]
+
+    # --- bringing it up -------------------------------------------------------------------
+    def build(self) -> "Network":
+        """Create every namespace, link and file; on any failure remove what was made."""
+        missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+        if missing:
+            raise ClusterError(f"the emulated cluster needs {', '.join(missing)} "
+                               "(Debian: apt-get install iproute2 util-linux mount)")
+        try:
+            os.makedirs(STATE_ROOT, exist_ok=True)
+            os.makedirs(self.state_dir)
+        except PermissionError as error:
+            raise ClusterError(f"needs root to build the emulated cluster: cannot create "
+                               f"{self.state_dir} ({error.strerror})") from None
+        self._save_state()
+        try:
+            self._build()
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def _build(self) -> None:
+        spec = self.spec
+        first = _run(["ip", "netns", "add", self.switch], check=False)
+        if first.returncode != 0:
+            raise ClusterError("needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) to create "
+                               f"network namespaces: ip netns add said: {first.stderr.strip()}")
+        commands = [f"netns add {self.netns(h)}" for h in range(spec.hosts)]
+        _run(["ip", "-batch", "-"], stdin="\n".join(commands) + "\n")
+        _in(self.switch, "ip link add switch type bridge && ip link set switch up "
+                         "&& ip link set lo up")
+        for host in range(spec.hosts):
+            port = spec.hostname(host)  # the switch's port towards this host
+            _run(["ip", "link", "add", IFACE, "netns", self.netns(host), "type", "veth",
+                  "peer", "name", port, "netns", self.switch])
+            _in(self.switch, f"ip link set {port} master switch && ip link set {port} up")
+            _in(self.netns(host), f"ip addr add {spec.address(host)}/24 dev {IFACE} "
+                                  f"&& ip link set {IFACE} up && ip link set lo up")
+            self._shape(self.netns(host), IFACE)
+            self._shape(self.switch, port)
+            self._name_host(host)
+
+    def _shape(self, namespace: str, device: str) -> None:
+        """Limit what leaves `device` to the link's rate (and delay, with netem)."""
+        spec = self.spec
+        if spec.bandwidth is None and spec.latency is None:
+            return
+        if spec.latency is not None:
+            rate = f" rate {spec.bandwidth}" if spec.bandwidth else ""
+            done = _run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device,
+                         "root", "netem", "delay", spec.latency, *rate.split(),
+                         "limit", "100000"], check=False)
+            if done.returncode != 0:
+                raise ClusterError(f"--latency needs tc's netem qdisc, which this kernel "
+                                   f"does not have ({done.stderr.strip()}); use --bandwidth "
+                                   "alone")
+            return
+        bytes_per_second = rate_bits(spec.bandwidth) // 8
+        burst = max(32 << 10, bytes_per_second // 250)  # a few ms of traffic, >= 64 frames
+        _in(namespace, f"tc qdisc add dev {device} root tbf rate {spec.bandwidth} "
+                       f"burst {burst} latency 100ms")
+
+    def _name_host(self, host: int) -> None:
+        """A UTS namespace holding the host's name, and its /etc/hosts."""
+        uts = self.uts_file(host)
+        open(uts, "w").close()
+        _run(["unshare", f"--uts={uts}", "hostname", self.spec.hostname(host)])
+        os.makedirs(self.etc_dir(host), exist_ok=True)
+        lines = ["127.0.0.1 localhost"] + [
+            f"{self.spec.address(h)} {self.spec.hostname(h)}" for h in range(self.spec.hosts)]
+        with open(os.path.join(self.etc_dir(host), "hosts"), "w") as hosts:
+            hosts.write("\n".join(lines) + "\n")
+
+    def _save_state(self) -> None:
+        with open(os.path.join(self.state_dir, "state.json"), "w") as state:
+            json.dump({"run": self.run, "owner": self.owner, "spec": asdict(self.spec),
+                       "hosts": {self.spec.hostname(h): {"netns": self.netns(h),
+                                                         "uts": self.uts_file(h),
+                                                         "address": self.spec.address(h)}
+                                 for h in range(self.spec.hosts)}}, state)
+
+    # --- while it runs ----------------------------------------------------------------------
+    def set_link(self, host: int, up: bool) -> None:
+        """Plug or unplug a host's cable (its NIC goes down: nothing in or out)."""
+        _in(self.netns(host), f"ip link set {IFACE} {'up' if up else 'down'}")
+
+    def link_bytes(self, host: int) -> Dict[str, int]:
+        """Bytes a host's NIC has sent and received so far, as the kernel counts them."""
+        out = _run(["ip", "netns", "exec", self.netns(host), "cat",
+                    f"/sys/class/net/{IFACE}/statistics/tx_bytes",
+                    f"/sys/class/net/{IFACE}/statistics/rx_bytes"]).stdout.split()
+        return {"sent": int(out[0]), "received": int(out[1])}
+
+    # --- tearing it down --------------------------------------------------------------------
+    def remove(self) -> None:
+        """Kill what still runs on the hosts, then delete every namespace, link and file."""
+        _remove_run(self.run, [self.netns(h) for h in range(self.spec.hosts)] + [self.switch],
+                    [self.uts_file(h) for h in range(self.spec.hosts)],
+                    [self.etc_dir(h) for h in range(self.spec.hosts)], self.state_dir)
+
+    def __enter__(self) -> "Network":
+        return self.build()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+
+def _remove_run(run: str, namespaces: List[str], uts_files: List[str], etc_dirs: List[str],
+                state_dir: str) -> None:
+    existing = set(_list_netns())
+    for namespace in namespaces:  # every process still inside a host dies first
+        if namespace in existing:
+            pids = _run(["ip", "netns", "pids", namespace], check=False).stdout.split()
+            for pid in pids:
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+    for namespace in namespaces:
+        if namespace in existing:
+            _run(["ip", "netns", "del", namespace], check=False)  # its links go with it
+    for uts in uts_files:
+        if os.path.exists(uts):
+            _run(["umount", uts], check=False)
+    for folder in etc_dirs:
+        shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_leftovers() -> List[str]:
+    """Remove what runs whose launcher has died left behind; return their names.
+
+    A run's folder names its owner's pid; runs whose owner still lives are left alone,
+    so this is safe while other clusters are running. Namespaces of our naming with no
+    folder at all (a run killed before it wrote one) are removed too.
+    """
+    removed, live = [], set()
+    folders = sorted(os.listdir(STATE_ROOT)) if os.path.isdir(STATE_ROOT) else []
+    for run in folders:
+        folder = os.path.join(STATE_ROOT, run)
+        try:
+            with open(os.path.join(folder, "state.json")) as file:
+                state = json.load(file)
+        except (OSError, ValueError):
+            state = None
+        if state is not None and _alive(state["owner"]):
+            live.add(run)
+            continue
+        hosts = state["hosts"].values() if state else []
+        _remove_run(run, [h["netns"] for h in hosts] + [f"{run}-switch"],
+                    [h["uts"] for h in hosts],
+                    [os.path.join("/etc/netns", h["netns"]) for h in hosts], folder)
+        removed.append(run)
+    for namespace in _list_netns():
+        run = namespace.split("-")[0]
+        if _RUN_NAME.match(run) and run not in live:
+            _remove_run(run, [namespace], [], [os.path.join("/etc/netns", namespace)],
+                        os.path.join(STATE_ROOT, run))
+            if run not in removed:
+                removed.append(run)
+    return removed
+
+
+def _list_netns() -> List[str]:
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _run(argv: List[str], check: bool = True, stdin: Optional[str] = None):
+    done = subprocess.run(argv, capture_output=True, text=True, input=stdin)
+    if check and done.returncode != 0:
+        raise ClusterError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
+    return done
+
+
+def _in(namespace: str, script: str) -> None:
+    """Run a short shell script inside a namespace (several ip/tc commands in one go)."""
+    _run(["ip", "netns", "exec", namespace, "sh", "-ec", script])
+
+
+def wait_gone(pids: Sequence[int], seconds: float) -> None:
+    """Wait until none of `pids` runs, at most `seconds`."""
+    deadline = time.monotonic() + seconds
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)

@@ -1,0 +1,76 @@
+"""The rank program of the cluster tests: run on emulated hosts by test_cluster.py.
+
+    python checks_cluster.py BACKEND algorithms OUTDIR   every algorithm against numpy,
+                                                          plus NIC bytes per algorithm
+    python checks_cluster.py BACKEND loop OUTDIR         all-reduce until a peer fails
+
+Each rank writes what it saw to OUTDIR/rank<R>.json; the test compares the ranks.
+"""
+import json
+import os
+import socket
+import sys
+import time
+
+import torch
+
+import collectives
+from collectives import cluster
+from checks_algorithms import check_all_reduce, check_ring_segments
+
+NIC_PROBE_BYTES = 4 << 20  # big enough that barriers and handshakes are noise beside it
+
+
+def nic_bytes_sent(comm, algorithm: str) -> int:
+    """Bytes this host's NIC sent during one all-reduce of NIC_PROBE_BYTES."""
+    tensor = torch.zeros(NIC_PROBE_BYTES // 4)
+    collectives.all_reduce(tensor, algorithm=algorithm, comm=comm, check=False)  # warm up
+    comm.barrier()
+    before = cluster.link_bytes()["sent"]
+    collectives.all_reduce(tensor, algorithm=algorithm, comm=comm, check=False)
+    comm.barrier()
+    time.sleep(0.2)  # the last ACKs
+    return cluster.link_bytes()["sent"] - before
+
+
+def algorithms_case(comm):
+    digests = check_all_reduce(comm, dtypes=[torch.float32, torch.bfloat16, torch.int64])
+    segments = check_ring_segments(comm)
+    nic = {name: nic_bytes_sent(comm, name) for name in ("ring", "naive")}
+    return {"digest": str(sorted(digests.items())) + str(sorted(segments.items())),
+            "checks": len(digests) + len(segments), "nic_sent": nic}
+
+
+def loop_case(comm, outdir):
+    """All-reduce 1 MiB again and again; the test cuts a link or kills a rank meanwhile."""
+    tensor = torch.ones(1 << 18)
+    started = time.monotonic()
+    calls = 0
+    try:
+        while time.monotonic() - started < 120:
+            collectives.all_reduce(tensor, algorithm="ring", comm=comm)
+            tensor.fill_(1)
+            calls += 1
+            if calls == 3:  # tell the test this rank is in its loop
+                open(os.path.join(outdir, f"looping-{comm.rank}"), "w").close()
+        return {"raised": None, "calls": calls}
+    except collectives.PeerError as error:
+        failed_at = time.monotonic()
+        return {"raised": f"PeerError: {error}", "calls": calls, "failed_at": failed_at}
+
+
+def main(backend: str, case: str, outdir: str) -> None:
+    comm = collectives.init(backend=backend, timeout=float(os.environ.get("CHECK_TIMEOUT", 30)))
+    result = {"rank": comm.rank, "hostname": socket.gethostname(), "transport": comm.name,
+              "local_rank": comm.local_rank}
+    result.update(algorithms_case(comm) if case == "algorithms" else loop_case(comm, outdir))
+    result["finished_at"] = time.monotonic()
+    with open(os.path.join(outdir, f"rank{comm.rank}.json"), "w") as out:
+        json.dump(result, out)
+    if result.get("raised"):
+        print(f"rank {comm.rank}: {result['raised']}", flush=True)
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
