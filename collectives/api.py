@@ -37,7 +37,7 @@ SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 _COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
 _ALGORITHM_IDS = {name: i for i, name in enumerate(
-    ["auto", "ring", "halving-doubling", "tree", "naive", "native"])}
+    ["auto", "ring", "halving-doubling", "tree", "naive", "native", "hierarchical"])}
 
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:
@@ -90,7 +90,7 @@ def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
     # Each rank fills its own row and the rows are summed: an all-gather. The message is
     # tiny, so it takes auto's small-message algorithm (gloo's own costs ~7 ms at 4 ranks).
     algorithm = algorithms.AUTO_CHOICE["all_reduce"](table.numel() * 8, comm.world_size,
-                                                     comm.name)
+                                                     comm.name, comm.topology)
     try:
         algorithms.ALL_REDUCE[algorithm](comm, table.view(-1), "sum")
     except PeerError as error:
@@ -143,7 +143,8 @@ def _pick(collective: str, algorithm: str, tensor: torch.Tensor, comm: Transport
     if algorithm != "auto":
         return algorithm
     nbytes = tensor.numel() * tensor.element_size()
-    return algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name)
+    return algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
+                                              comm.topology)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
@@ -151,7 +152,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
     """Reduce `tensor` over all ranks, in place; every rank gets the bitwise same result.
 
     op: "sum", "avg", "max" or "min" (integer avg rounds down).
-    algorithm: "auto", "ring", "halving-doubling", "tree", "naive" or "native".
+    algorithm: "auto", "ring", "halving-doubling", "tree", "naive", "hierarchical" or
+        "native".
     """
     comm = comm or get_comm()
     _check_tensor(tensor, "all_reduce: tensor")

@@ -37,6 +37,7 @@ from .spawn import free_port
 from .transport.base import Transport
 from .transport.local import LocalTransport
 from .transport.shm import ShmTransport, want_shm
+from .transport.topology import Topology
 
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DEFAULT_TIMEOUT = timedelta(seconds=300)
@@ -138,13 +139,14 @@ def _limit_threads(info: LaunchInfo) -> None:
 
 
 def _with_shared_memory(comm: Transport, wanted: Optional[bool]) -> Transport:
-    """Route point-to-point through shared memory when asked for and possible."""
+    """Route point-to-point between ranks of one host through shared memory when asked
+    for and possible (the backend still carries what goes between hosts)."""
     if wanted is False or comm.world_size == 1 or comm.backend == "nccl":
         return comm
     connected = ShmTransport.connect(comm)
     if wanted and connected is comm:
-        raise LaunchError("shared memory was required (shm on) but not every "
-                          "rank is on this host, or /dev/shm could not be used")
+        raise LaunchError("shared memory was required (shm on) but no host has two "
+                          "ranks, or /dev/shm could not be used")
     return connected
 
 
@@ -197,6 +199,8 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
                                 world_size=info.world_size, timeout=timeout)
         comm = TorchDistTransport(backend, info.rank, info.world_size, info.local_rank,
                                   device, timeout)
+    if comm.world_size > 1:
+        comm.topology = Topology.exchange(comm)  # which ranks share a host
     comm = _with_shared_memory(comm, shm_wanted)
     _default = comm
     _install_exit_hooks()

@@ -21,24 +21,34 @@ from checks_algorithms import check_all_reduce, check_ring_segments
 NIC_PROBE_BYTES = 4 << 20  # big enough that barriers and handshakes are noise beside it
 
 
-def nic_bytes_sent(comm, algorithm: str) -> int:
-    """Bytes this host's NIC sent during one all-reduce of NIC_PROBE_BYTES."""
+def bytes_sent(comm, algorithm: str) -> dict:
+    """What one all-reduce of NIC_PROBE_BYTES sent: through this host's NIC, and by
+    route as the transport counted it ("shm", "network"; one route: all "network")."""
     tensor = torch.zeros(NIC_PROBE_BYTES // 4)
     collectives.all_reduce(tensor, algorithm=algorithm, comm=comm, check=False)  # warm up
     comm.barrier()
-    before = cluster.link_bytes()["sent"]
-    collectives.all_reduce(tensor, algorithm=algorithm, comm=comm, check=False)
+    time.sleep(0.2)  # what the kernel still holds of the warm-up leaves
+    # read before the barrier: no rank can start the measured call before every rank
+    # has read its counters
+    before, counted = cluster.link_bytes()["sent"], comm.traffic.snapshot()
     comm.barrier()
-    time.sleep(0.2)  # the last ACKs
-    return cluster.link_bytes()["sent"] - before
+    collectives.all_reduce(tensor, algorithm=algorithm, comm=comm, check=False)
+    after = comm.traffic.snapshot()
+    comm.barrier()
+    time.sleep(0.2)  # the last bytes and ACKs leave
+    routes = {route: after.routes.get(route, [0, 0])[0] - counted.routes.get(route, [0, 0])[0]
+              for route in ("shm", "network")}
+    if not after.routes:  # a transport with one route: everything went over the backend
+        routes["network"] = after.bytes_sent - counted.bytes_sent
+    return {"nic": cluster.link_bytes()["sent"] - before, **routes}
 
 
 def algorithms_case(comm):
     digests = check_all_reduce(comm, dtypes=[torch.float32, torch.bfloat16, torch.int64])
     segments = check_ring_segments(comm)
-    nic = {name: nic_bytes_sent(comm, name) for name in ("ring", "naive")}
+    sent = {name: bytes_sent(comm, name) for name in ("ring", "naive", "hierarchical")}
     return {"digest": str(sorted(digests.items())) + str(sorted(segments.items())),
-            "checks": len(digests) + len(segments), "nic_sent": nic}
+            "checks": len(digests) + len(segments), "sent": sent}
 
 
 def loop_case(comm, outdir):

@@ -50,36 +50,60 @@ def read_ranks(outdir, world_size):
     return results
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks_per_host", [(1, 1), (2, 2)])
-def test_every_algorithm_is_right_across_hosts_and_the_nic_counts_its_bytes(
+def expected_bytes(ranks_per_host, host, size):
+    """What each algorithm's cost formula says host `host`'s link carries out, and what
+    one of its ranks sends by route, for an all-reduce of `size` bytes.
+
+    ring: the ring visits hosts in order, so one stream of 2(n-1)/n K leaves each host.
+    naive: ranks off rank 0's host send K to it; rank 0's host sends each of them K back.
+    hierarchical: the link carries 2(H-1)/H K; a rank of a host of L sends 2(L-1)/L K
+    through shared memory (phases 1 and 3), and 2(H-1)/H K/L over the network when
+    every host has L ranks.
+    """
+    n, hosts, here = sum(ranks_per_host), len(ranks_per_host), ranks_per_host[host]
+    link = {"ring": 2 * (n - 1) / n * size,
+            "naive": size * (n - here if host == 0 else here),
+            "hierarchical": 2 * (hosts - 1) / hosts * size}
+    routes = {"shm": 2 * (here - 1) / here * size,
+              "network": 2 * (hosts - 1) / hosts * size / here}
+    return link, routes
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("ranks_per_host", [(1, 1), (2, 2), (2, 2, 2), (1, 3)])
+def test_every_algorithm_is_right_across_hosts_and_the_bytes_follow_the_formulas(
         ranks_per_host, tmp_path):
     spec = ClusterSpec(ranks_per_host, bandwidth=FAST)
     with Network(spec) as network:
         job = start_ranks(network, checks("algorithms") + [str(tmp_path)], prefix=False)
-        assert job.wait(timeout=240) == 0
+        assert job.wait(timeout=360) == 0
     assert_removed(network)
     results = read_ranks(tmp_path, spec.world_size)
-    for result, host in zip(results, [h for h, n in enumerate(ranks_per_host) for _ in range(n)]):
+    host_of = [h for h, count in enumerate(ranks_per_host) for _ in range(count)]
+    for result, host in zip(results, host_of):
         assert result["hostname"] == f"node{host}"   # each host its own name
-        assert result["transport"] == "gloo"         # no shared memory between hosts
+        # shared memory only inside a host that has two ranks; the backend between hosts
+        assert result["transport"] == ("gloo" if max(ranks_per_host) == 1 else "gloo+shm")
         assert result["digest"] == results[0]["digest"], "ranks differ bitwise"
     assert results[0]["checks"] > 100
-    # Ring: each host's ranks are neighbours, so one stream leaves each host, carrying
-    # 2(n-1)/n of the buffer. Naive: every rank off the root's host sends its buffer to
-    # rank 0 and gets the result back, so each host's NIC sends K per rank off it.
-    n, size = spec.world_size, 4 << 20
-    first_on_host = [sum(ranks_per_host[:h]) for h in range(spec.hosts)]
-    for host, rank in enumerate(first_on_host):
-        sent = results[rank]["nic_sent"]
-        expected = {"ring": 2 * (n - 1) / n * size,
-                    "naive": size * (n - ranks_per_host[0] if host == 0 else ranks_per_host[host])}
-        for algorithm, payload in expected.items():
+    size = 4 << 20
+    for host in range(spec.hosts):
+        link, routes = expected_bytes(ranks_per_host, host, size)
+        mine = [r for r, h in zip(results, host_of) if h == host]
+        for algorithm, payload in link.items():
             # The NIC counts headers too: up to ~5 % for 1514-byte frames carrying 1448
             # bytes each, less where the kernel counts bigger (offloaded) frames.
-            ratio = sent[algorithm] / payload
-            assert 0.995 < ratio < 1.07, (f"host {host} {algorithm}: NIC sent "
-                                          f"{sent[algorithm]} bytes, the formula says {payload}")
+            nic = mine[0]["sent"][algorithm]["nic"]
+            assert 0.995 < nic / payload < 1.07, (
+                f"host {host} {algorithm}: NIC sent {nic} bytes, the formula says {payload}")
+            # what the transport counted leaving this host agrees with the formula
+            network = sum(r["sent"][algorithm]["network"] for r in mine)
+            assert abs(network / payload - 1) < 0.01, (host, algorithm, network, payload)
+        if len(set(ranks_per_host)) == 1:  # even hosts: each rank's share by route
+            for result in mine:
+                for route, payload in routes.items():
+                    counted = result["sent"]["hierarchical"][route]
+                    assert abs(counted - payload) <= 0.01 * size, (route, counted, payload)
 
 
 @pytest.mark.timeout(200)

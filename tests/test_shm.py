@@ -80,8 +80,9 @@ def test_duplicates_are_separate_and_no_files_are_left_in_dev_shm():
 
 def other_hosts(comm):
     """Pretend every rank is on its own host: connect() must fall back to the backend."""
-    from collectives.transport import shm
-    shm._host_fingerprint = lambda: 1000 + comm.rank
+    from collectives.transport import shm, topology
+    topology.host_fingerprint = lambda: 1000 + comm.rank
+    comm.inner.topology = topology.Topology.exchange(comm.inner)
     fallback = shm.ShmTransport.connect(comm.inner)
     data = torch.full((5,), float(comm.rank))
     import collectives

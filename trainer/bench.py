@@ -2,6 +2,8 @@
 
     python -m trainer.bench --nproc 4 --sync allreduce,ddp --model resnet18 \\
         --batch-size 32 --steps 10 --json bench.jsonl
+    torchrun --nproc-per-node 4 -m trainer.bench          (or under mpirun: no --nproc)
+    python -m collectives.cluster --hosts 4 --bandwidth 100mbit -- python -m trainer.bench
 
 For each sync ("ddp" is torch.nn.parallel.DistributedDataParallel; any other name is
 one of our strategies inside collectives.DistributedDataParallel) it measures, on
@@ -16,6 +18,8 @@ random 28x28 images with the trainer's model:
     hidden_share  how much of comm_ms the overlap hid behind backward:
                   (compute_ms + comm_ms - step_ms) / comm_ms, clipped to [0, 1]
     images_per_s  world_size x batch size / mean step time
+    nic_mb_per_step   on the emulated cluster: megabytes the busiest host's NIC sent
+                  per training step (headers included)
 
 All variants are built first and timed in alternating rounds, so that slow periods of
 a shared machine hit every variant alike. Times are the slowest rank's.
@@ -32,6 +36,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import collectives
+from collectives import cluster
 from collectives import sync as sync_registry
 from .models import ARCHITECTURES, build_model
 
@@ -71,6 +76,7 @@ class Variant:
         self.labels = torch.randint(0, 10, (args.batch_size,))
         self.steps_done = 0
         self.samples = {"step": [], "compute": [], "comm": []}
+        self.nic_sent = 0  # bytes this host's NIC sent during the timed steps
         # Overlap is defined for gradient all-reduce every step (ddp and allreduce).
         self.buffers = (_bucket_buffers(self.wrapped, self.model, sync_name)
                         if sync_name in ("ddp", "allreduce") else None)
@@ -97,8 +103,11 @@ class Variant:
                 self.wrapped.sync.reduce_bucket(flat)
 
     def round(self, comm, steps):
+        before = cluster.link_bytes()
         for _ in range(steps):
             self.samples["step"].append(_time_once(comm, self.train_step))
+        if before is not None:
+            self.nic_sent += cluster.link_bytes()["sent"] - before["sent"]
         self.samples["compute"].append(_time_once(comm, self.compute_only_step))
         if self.buffers is not None:
             self.samples["comm"].append(_time_once(comm, self.comm_only))
@@ -110,7 +119,11 @@ class Variant:
                    batch_size=args.batch_size,
                    images_per_s=comm.world_size * args.batch_size / mean_step,
                    step_ms=step * 1e3, mean_step_ms=mean_step * 1e3, compute_ms=compute * 1e3,
-                   comm_ms=None, hidden_share=None)
+                   comm_ms=None, hidden_share=None, nic_mb_per_step=None)
+        if cluster.link_bytes() is not None:
+            sent = torch.tensor([self.nic_sent / len(self.samples["step"])], dtype=torch.float64)
+            comm.native_all_reduce(sent, "max")
+            row["nic_mb_per_step"] = sent.item() / 1e6
         if self.buffers is not None:
             communication, _ = _slowest(comm, self.samples["comm"])
             hidden = (compute + communication - step) / communication
@@ -137,7 +150,7 @@ def rank_main(args):
         print(f"# trainer.bench: {args.model}, {comm.world_size} ranks, batch {args.batch_size} "
               f"per rank, {args.rounds} rounds of {args.steps} timed steps each, alternating")
         print(f"{'sync':>12} {'img/s':>8} {'step ms':>9} {'mean ms':>9} {'compute ms':>11} "
-              f"{'comm ms':>9} {'hidden':>7}")
+              f"{'comm ms':>9} {'hidden':>7} {'nic MB/step':>12}")
     variants = [Variant(comm, name, args) for name in args.sync]
     for variant in variants:  # warm up: allocations, connections, bucket rebuilds
         for _ in range(args.warmup):
@@ -151,9 +164,10 @@ def rank_main(args):
         if comm.rank == 0:
             comm_ms = "-" if row["comm_ms"] is None else f"{row['comm_ms']:.1f}"
             hidden = "-" if row["hidden_share"] is None else f"{row['hidden_share']:.0%}"
+            nic = "-" if row["nic_mb_per_step"] is None else f"{row['nic_mb_per_step']:.1f}"
             print(f"{row['sync']:>12} {row['images_per_s']:>8.1f} {row['step_ms']:>9.1f} "
                   f"{row['mean_step_ms']:>9.1f} {row['compute_ms']:>11.1f} {comm_ms:>9} "
-                  f"{hidden:>7}", flush=True)
+                  f"{hidden:>7} {nic:>12}", flush=True)
     if comm.rank == 0 and args.json:
         with open(args.json, "w") as out:
             for row in rows:
@@ -165,7 +179,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--nproc", type=int, default=2, help="ranks to spawn (default 2)")
+    p.add_argument("--nproc", type=int, default=2,
+                   help="ranks to spawn (default 2; ignored under a launcher)")
     p.add_argument("--sync", type=lambda s: s.split(","), default=["allreduce", "ddp"],
                    help="comma list: ddp (torch's) and names of our strategies")
     p.add_argument("--model", default="resnet18", choices=ARCHITECTURES)
@@ -184,6 +199,13 @@ def main(argv=None):
             p.error(f"unknown sync {name!r}: choose from ddp, {', '.join(sync_registry.available())}")
     if args.nproc < 2 or min(args.steps, args.rounds, args.batch_size) < 1:
         p.error("--nproc must be at least 2; --steps, --rounds and --batch-size at least 1")
+    try:
+        launched = collectives.detect_launch().world_size > 1
+    except collectives.LaunchError as error:
+        p.error(str(error))
+    if launched:  # torchrun, mpirun or the emulated cluster started the ranks
+        rank_main(args)
+        return 0
     from collectives.spawn import spawn
     spawn(rank_main, args.nproc, args)
     return 0

@@ -4,19 +4,21 @@
     halving_doubling.py   Rabenseifner's recursive halving-doubling all-reduce
     tree.py               binomial-tree broadcast, reduce and all-reduce
     naive.py              gather to one rank, reduce, send back (teaching baseline)
+    hierarchical.py       inside each host, then across hosts, then inside (topology)
     native.py             the backend's own collectives, for comparison
     auto.py               which one to use for a given size and world
 
 The tables below map the names users pass (`algorithm="ring"`) to functions. All
 functions take (comm, flat, ...) where `flat` is a 1-D contiguous tensor, in place.
 """
-from . import auto, halving_doubling, naive, native, ring, tree
+from . import auto, halving_doubling, hierarchical, naive, native, ring, tree
 
 ALL_REDUCE = {
     "ring": ring.all_reduce,
     "halving-doubling": halving_doubling.all_reduce,
     "tree": tree.all_reduce,
     "naive": naive.all_reduce,
+    "hierarchical": hierarchical.all_reduce,
     "native": native.all_reduce,
 }
 BROADCAST = {

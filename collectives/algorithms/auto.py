@@ -27,7 +27,16 @@ step waits for a rank to be woken (tree 1.2-1.6 GB/s busbw against the ring's
 """
 from __future__ import annotations
 
+from typing import Optional
+
+from ..transport.topology import Topology
+
 KiB, MiB = 1 << 10, 1 << 20
+# Ranks on several hosts: from this size the links' bandwidth decides. Over a shaped
+# link the ring (one rank per host) and the hierarchy (several) keep every link busy
+# both ways; the tree and naive send one way at a time, at half the rate
+# (docs/cluster.md). Below it, the one-host ladders' latency choices still hold.
+ACROSS_HOSTS_FROM = 256 * KiB
 
 
 SMALL = "naive or tree"  # naive with at most 4 ranks, else tree (rank 0's link saturates)
@@ -45,10 +54,14 @@ LADDERS = {
 }
 
 
-def all_reduce_choice(nbytes: int, world_size: int, transport: str) -> str:
-    """The algorithm for an all-reduce of `nbytes` over `transport` (a comm.name)."""
+def all_reduce_choice(nbytes: int, world_size: int, transport: str,
+                      topology: Optional[Topology] = None) -> str:
+    """The algorithm for an all-reduce of `nbytes` over `transport` (a comm.name) on
+    ranks placed as `topology` says (None: all on one host)."""
     if world_size == 1:
         return "native"
+    if topology is not None and not topology.single_host and nbytes >= ACROSS_HOSTS_FROM:
+        return "ring" if topology.one_rank_per_host else "hierarchical"
     if transport.endswith("+shm") and world_size == 2:
         return "ring"
     if transport == "gloo" and world_size == 2 and nbytes < 64 * KiB:
@@ -64,13 +77,13 @@ def all_reduce_choice(nbytes: int, world_size: int, transport: str) -> str:
     raise AssertionError("every ladder ends with an unbounded step")
 
 
-def broadcast_choice(nbytes: int, world_size: int, transport: str) -> str:
+def broadcast_choice(nbytes: int, world_size: int, transport: str, topology=None) -> str:
     return "native"
 
 
-def reduce_scatter_choice(nbytes: int, world_size: int, transport: str) -> str:
+def reduce_scatter_choice(nbytes: int, world_size: int, transport: str, topology=None) -> str:
     return "ring"  # native has no reduce-scatter here: it would all-reduce everything
 
 
-def all_gather_choice(nbytes: int, world_size: int, transport: str) -> str:
+def all_gather_choice(nbytes: int, world_size: int, transport: str, topology=None) -> str:
     return "ring"  # native has no all-gather here: it would broadcast n times

@@ -37,12 +37,15 @@ otherwise the message lands in one of two scratch buffers, used on alternate ste
 so an early receive never overwrites data still waiting to be reduced, and the sum
 is sent from our buffer.
 
-Order: each step posts its receives before its sends. Over TCP (gloo) a message
-moves only once its receive is posted, and the receiver's "ready" notice travels in
-the same stream as its own outgoing data: a rank that sends first can find the notice
-it waits for stuck behind megabytes queued in the other direction. On a 2-host link of
-100 Mbit/s, sends-first exchanged 16 MiB each way in 2.8 s, receives-first in 1.4 s,
-what the link allows in both directions at once (docs/cluster.md).
+Order: a step posts its receives before its sends wherever it can. Over TCP (gloo)
+a message moves only once its receive is posted, and the receiver's "ready" notice
+travels in the same stream as its own outgoing data: on a 2-host link of 100 Mbit/s,
+exchanging 16 MiB each way in 4 pieces took 2.8 s sends-first and 1.4 s
+receives-first, what the link allows both ways at once (docs/cluster.md). The one
+exception: a reduce-scatter of more than 2 ranks sends its first chunk before posting
+step 0's receives, because those pass their sums on to the same rank, and sends to a
+rank arrive in the order they were posted (relays included): posted first, a relay's
+sum would overtake the chunk the right neighbour expects first.
 
 Every chunk's final value is computed on one rank and copied to the rest, so all ranks
 end bitwise identical.
@@ -54,6 +57,7 @@ from typing import List, Optional
 import torch
 
 from ..transport import Transport
+from ..transport.group import Group
 from .common import chunk_bounds, segments
 
 
@@ -91,10 +95,17 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
                                   forward_to=forward)
                 for lo, hi in pieces(step)]
 
-    receives = post_receives(0)  # receives first: see "Order" above
-    first = (rank - 1) % n
-    sends = [comm.isend(flat[lo:hi], send_to)
-             for lo, hi in segments(bounds[first], bounds[first + 1], seg)]
+    def send_first_chunk():
+        first = (rank - 1) % n
+        return [comm.isend(flat[lo:hi], send_to)
+                for lo, hi in segments(bounds[first], bounds[first + 1], seg)]
+
+    if n == 2:  # receives first (see "Order" above): step 0 passes nothing on
+        receives = post_receives(0)
+        sends = send_first_chunk()
+    else:  # step 0's receives pass their sums on: our own chunk must go out before them
+        sends = send_first_chunk()
+        receives = post_receives(0)
     for step in range(n - 1):
         last = step == n - 2
         next_receives = [] if last else post_receives(step + 1)  # use the other scratch
@@ -140,7 +151,14 @@ def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] 
 
 def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
                segment_bytes: Optional[int] = None) -> None:
-    """Ring all-reduce in place: reduce-scatter, then all-gather."""
+    """Ring all-reduce in place: reduce-scatter, then all-gather.
+
+    The ring visits ranks host by host (comm.topology.ring_order()), so that however a
+    launcher placed the ranks, only one stream leaves and one enters each host.
+    """
+    order = comm.topology.ring_order()
+    if order != list(range(comm.world_size)):
+        comm = Group(comm, order)
     bounds = chunk_bounds(flat.numel(), comm.world_size)
     reduce_scatter(comm, flat, op, bounds, segment_bytes)
     all_gather(comm, flat, bounds, segment_bytes)

@@ -30,6 +30,8 @@ from typing import Optional
 
 import torch
 
+from .topology import Topology
+
 REDUCE_OPS = ("sum", "avg", "max", "min")
 # The ops an algorithm itself performs. "avg" is "sum" followed by one division,
 # done once in api.py so that every algorithm divides the same way.
@@ -48,6 +50,9 @@ class Traffic:
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
+    # Point-to-point bytes by route, where a transport has several (shm.py): e.g.
+    # {"shm": [sent, received], "network": [sent, received]}. Empty: one route.
+    routes: dict = field(default_factory=dict)
     # a communicator and its duplicates share one Traffic, updated from several threads
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
@@ -55,6 +60,13 @@ class Traffic:
         with self.lock:
             self.bytes_sent = self.bytes_received = 0
             self.messages_sent = self.messages_received = 0
+            self.routes = {}
+
+    def count_route(self, route: str, sent: int = 0, received: int = 0) -> None:
+        with self.lock:
+            both = self.routes.setdefault(route, [0, 0])
+            both[0] += sent
+            both[1] += received
 
     def count_send(self, tensor: torch.Tensor) -> None:
         with self.lock:
@@ -72,8 +84,9 @@ class Traffic:
             self.bytes_received += int(received)
 
     def snapshot(self) -> "Traffic":
-        return Traffic(self.bytes_sent, self.bytes_received,
-                       self.messages_sent, self.messages_received)
+        with self.lock:
+            return Traffic(self.bytes_sent, self.bytes_received, self.messages_sent,
+                           self.messages_received, {k: list(v) for k, v in self.routes.items()})
 
 
 class PeerError(RuntimeError):
@@ -81,9 +94,13 @@ class PeerError(RuntimeError):
 
 
 class Handle:
-    """A pending send or receive. `wait()` blocks until it completes (or times out)."""
+    """A pending send or receive. `wait()` blocks until it completes (or times out);
+    `test()` says, without blocking, whether wait() would return at once."""
 
     def wait(self) -> None:
+        raise NotImplementedError
+
+    def test(self) -> bool:
         raise NotImplementedError
 
 
@@ -92,6 +109,9 @@ class DoneHandle(Handle):
 
     def wait(self) -> None:
         return None
+
+    def test(self) -> bool:
+        return True
 
 
 class StagedRecvHandle(Handle):
@@ -104,6 +124,9 @@ class StagedRecvHandle(Handle):
         self.inner.wait()
         self.target.copy_(self.host)
 
+    def test(self) -> bool:
+        return self.inner.test()
+
 
 class KeepAliveHandle(Handle):
     """A send from a temporary host copy, kept alive until the send completes."""
@@ -113,6 +136,9 @@ class KeepAliveHandle(Handle):
 
     def wait(self) -> None:
         self.inner.wait()
+
+    def test(self) -> bool:
+        return self.inner.test()
 
 
 class ReduceOnWaitHandle(Handle):
@@ -131,6 +157,9 @@ class ReduceOnWaitHandle(Handle):
         reduce_into(self.accumulator, self.scratch, self.op)
         if self.forward_to is not None:
             self.forward = self.transport.isend(self.accumulator, self.forward_to)
+
+    def test(self) -> bool:
+        return self.inner.test()  # the reduction itself never waits
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -171,6 +200,9 @@ class Transport:
         self.device = device
         self.timeout = timeout
         self.traffic = Traffic()
+        # Which ranks share a host. init() exchanges it (Topology.exchange); until then
+        # every rank is taken to be on this one.
+        self.topology = Topology.one_host(world_size)
 
     # --- point to point: subclasses implement _isend/_irecv ---------------------------
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
@@ -281,6 +313,7 @@ class Transport:
         """
         twin = self._duplicate()
         twin.traffic = self.traffic
+        twin.topology = self.topology
         return twin
 
     def _duplicate(self) -> "Transport":

@@ -81,6 +81,9 @@ class _MpiHandle(Handle):
     def wait(self) -> None:
         wait_until(self.request, self.deadline, self.what)
 
+    def test(self) -> bool:
+        return self.request.Test()  # also lets MPI move the message along
+
 
 _MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
 

@@ -1,4 +1,4 @@
-r"""Shared memory: point-to-point between ranks of one host, without the network stack.
+r"""Routed point-to-point: shared memory to ranks of this host, the backend to the rest.
 
 Over loopback TCP every byte is copied twice by the kernel (into a socket buffer and
 out again) and handled by the backend's I/O threads. Ranks on one host can do with
@@ -44,32 +44,40 @@ has exited (checked by pid ten times a second while asleep, so a dead peer is
 caught in well under a second). A message of another size than the receive posted
 for it raises PeerError naming both.
 
+Routes: a job that spans hosts keeps shared memory inside each host. Each peer is
+reached by the best route: through a channel when it shares our host, through the
+backend this transport wraps (gloo's TCP or MPI) when not. Algorithms above see one
+transport and never know. Waiting on a message over the backend keeps the shared
+memory moving: while any of our shared-memory messages is queued, a wait polls the
+backend's request and drives progress() in turn (else a local peer could wait on us
+while we wait on a remote one that waits on it). `traffic.routes` counts the bytes of
+each route ("shm", "network").
+
 Barrier and the native collectives go to the backend this transport wraps (gloo or
-MPI). `connect()` uses shared memory only when every rank of the job is on this
-host and every segment could be mapped; otherwise it returns the backend as it is.
+MPI). `connect()` adds shared memory where at least one host has two or more ranks and
+every segment could be mapped; otherwise it returns the backend as it is.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import mmap
 import os
 import secrets
-import socket
 import sys
 import time
 from collections import deque
-from typing import Callable, Deque, List, Optional
+from typing import Callable, Deque, Dict, List, Optional
 
 import torch
 
-from .base import DoneHandle, Handle, PeerError, Transport, reduce_into
+from .base import DoneHandle, Handle, PeerError, Transport, nbytes, reduce_into
 
 SLOT_BYTES = 1 << 20  # one piece of a message (measured: docs/benchmarks.md)
 SLOTS = 4             # pieces in flight per channel
 _LINE = 64            # shared fields sit on cache lines of their own; a sem_t fits in one
 _SLOT_HEADER = 64     # message size, piece offset, piece size (3 int64)
 _NAP_SECONDS = 0.1    # longest sleep on the bell before checking deadline and peers
+_REMOTE_POLL_SECONDS = 0.0005  # a wait on the network checks it this often while shm is busy
 
 
 # --- process-shared POSIX semaphores, through ctypes --------------------------------------
@@ -120,18 +128,19 @@ def _sem_nap(address: int, seconds: float) -> bool:
 
 
 # --- the memory -------------------------------------------------------------------------
-def _layout(world_size: int, slots: int, slot_bytes: int):
+def _layout(local_size: int, slots: int, slot_bytes: int):
     """Byte offsets of a segment: (channel size, segment size)."""
     channel = 2 * _LINE + slots * (_SLOT_HEADER + slot_bytes)
-    return channel, 2 * _LINE + world_size * channel
+    return channel, 2 * _LINE + local_size * channel
 
 
 class _Segment:
-    """One rank's inbox: a /dev/shm file with a header and one channel per peer."""
+    """One rank's inbox: a /dev/shm file with a header and one channel per rank of its
+    host (indexed by local rank; its own is unused)."""
 
-    def __init__(self, path: str, world_size: int, slots: int, slot_bytes: int, create: bool):
+    def __init__(self, path: str, local_size: int, slots: int, slot_bytes: int, create: bool):
         self.path = path
-        self.channel_bytes, size = _layout(world_size, slots, slot_bytes)
+        self.channel_bytes, size = _layout(local_size, slots, slot_bytes)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -221,6 +230,10 @@ class _Message(Handle):
     def wait(self) -> None:
         self.transport.wait_for(self, lambda: self.done)
 
+    def test(self) -> bool:
+        self.transport.progress()
+        return self.done
+
 
 class _Forward(Handle):
     """The send half of a relay: done once every piece of the sum has gone out."""
@@ -231,6 +244,10 @@ class _Forward(Handle):
     def wait(self) -> None:
         relay = self.relay
         relay.transport.wait_for(relay, lambda: relay.sent >= relay.size)
+
+    def test(self) -> bool:
+        self.relay.transport.progress()
+        return self.relay.sent >= self.relay.size
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -247,15 +264,17 @@ def _alive(pid: int) -> bool:
     return state not in ("Z", "X")
 
 
-def _host_fingerprint() -> int:
-    """A number equal on every rank of this host (same name, same boot)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
-    except OSError:
-        boot_id = ""
-    digest = hashlib.sha256(f"{socket.gethostname()}/{boot_id}".encode()).digest()
-    return int.from_bytes(digest[:7], "little")  # fits an int64, and so does its negative
+class _Remote(Handle):
+    """A message over the backend; waiting on it keeps our shared memory moving."""
+
+    def __init__(self, transport: "ShmTransport", inner: Handle, peer: int, what: str):
+        self.transport, self.inner, self.peer, self.what = transport, inner, peer, what
+
+    def wait(self) -> None:
+        self.transport.wait_remote(self)
+
+    def test(self) -> bool:
+        return self.inner.test()
 
 
 class ShmTransport(Transport):
@@ -263,25 +282,28 @@ class ShmTransport(Transport):
 
     device_tensors_ok = False  # CUDA tensors are staged through host memory by the base
 
-    def __init__(self, inner: Transport, segments: List[_Segment], slots: int,
+    def __init__(self, inner: Transport, segments: Dict[int, _Segment], slots: int,
                  slot_bytes: int, watch_pids: bool):
         super().__init__(inner.rank, inner.world_size, inner.local_rank, inner.device,
                          inner.timeout)
         self.inner = inner
         self.backend = inner.backend
         self.traffic = inner.traffic
-        self.segments = segments  # by rank; ours is our inbox
+        self.topology = inner.topology
+        self.segments = segments  # by rank, for the ranks of this host; ours is our inbox
         self.slots, self.slot_bytes = slots, slot_bytes
         me = self.rank
+        local = self.topology.local_ranks(me)
         self.bell = segments[me].bell
-        self.outboxes = {p: _Channel(segments[p], me, slots, slot_bytes, segments[p].bell, p,
-                                     create=False)
-                         for p in range(self.world_size) if p != me}
-        self.inboxes = {p: _Channel(segments[me], p, slots, slot_bytes, segments[p].bell, p,
-                                    create=False)
-                        for p in range(self.world_size) if p != me}
-        self.pids = {p: segments[p].pid.value for p in range(self.world_size) if p != me}
+        self.outboxes = {p: _Channel(segments[p], local.index(me), slots, slot_bytes,
+                                     segments[p].bell, p, create=False)
+                         for p in local if p != me}
+        self.inboxes = {p: _Channel(segments[me], local.index(p), slots, slot_bytes,
+                                    segments[p].bell, p, create=False)
+                        for p in local if p != me}
+        self.pids = {p: segments[p].pid.value for p in local if p != me}
         self.watch_pids = watch_pids
+        self.remote: List[_Remote] = []  # messages over the backend not yet seen done
 
     @property
     def name(self) -> str:
@@ -291,10 +313,11 @@ class ShmTransport(Transport):
     @classmethod
     def connect(cls, inner: Transport, slots: int = SLOTS,
                 slot_bytes: int = SLOT_BYTES) -> Transport:
-        """Shared memory over `inner` if every rank is on this host, else `inner` itself.
+        """Shared memory between the ranks of each host, over `inner`; `inner` itself
+        when no host has two ranks or shared memory cannot be set up.
 
         Collective: every rank calls it and all come to the same answer. Each rank
-        creates its segment, everyone maps everyone's, and the files are removed at
+        creates its segment, the ranks of its host map it, and the files are removed at
         once: the mappings stay, and nothing is left in /dev/shm if a rank dies later.
         """
         def everyone(flag: bool) -> bool:  # True when it holds on every rank
@@ -302,26 +325,22 @@ class ShmTransport(Transport):
             inner._native_all_reduce(vote, "min")
             return bool(vote.item())
 
-        if not everyone(_libc is not None):  # Linux, with /dev/shm, on every rank
-            return inner
-        fingerprint = _host_fingerprint()
-        both = torch.tensor([fingerprint, -fingerprint])
-        inner._native_all_reduce(both, "max")  # everyone equal <=> max == min == ours
-        if not (both[0].item() == fingerprint and -both[1].item() == fingerprint):
-            return inner
+        topology = inner.topology
+        if topology.one_rank_per_host or not everyone(_libc is not None):
+            return inner  # nothing to share, or no POSIX semaphores somewhere
         token = torch.tensor([secrets.randbits(48)])
         inner._native_broadcast(token, 0)
-        paths = [f"/dev/shm/collectives-{token.item():x}-{rank}"
-                 for rank in range(inner.world_size)]
-        segments: List[Optional[_Segment]] = [None] * inner.world_size
         me = inner.rank
+        local = topology.local_ranks(me)
+        paths = {rank: f"/dev/shm/collectives-{token.item():x}-{rank}" for rank in local}
+        segments: Dict[int, _Segment] = {}
         connected = False
         try:
             try:
-                segments[me] = _Segment(paths[me], inner.world_size, slots, slot_bytes, True)
-                for src in range(inner.world_size):  # our inbox's semaphores
+                segments[me] = _Segment(paths[me], len(local), slots, slot_bytes, True)
+                for index, src in enumerate(local):  # our inbox's semaphores
                     if src != me:
-                        _Channel(segments[me], src, slots, slot_bytes, 0, src,
+                        _Channel(segments[me], index, slots, slot_bytes, 0, src,
                                  create=True).release()
                 created = True
             except OSError:
@@ -329,32 +348,39 @@ class ShmTransport(Transport):
             if not everyone(created):
                 return inner
             try:
-                for rank in range(inner.world_size):
+                for rank in local:
                     if rank != me:
-                        segments[rank] = _Segment(paths[rank], inner.world_size, slots,
+                        segments[rank] = _Segment(paths[rank], len(local), slots,
                                                   slot_bytes, False)
                 mapped = True
             except OSError:
                 mapped = False
             if not everyone(mapped):
                 return inner
-            watch_pids = everyone(all(_alive(s.pid.value) for s in segments))
+            watch_pids = everyone(all(_alive(s.pid.value) for s in segments.values()))
             connected = True
             return cls(inner, segments, slots, slot_bytes, watch_pids)
         finally:
-            if segments[me] is not None:
+            if me in segments:
                 os.unlink(paths[me])  # every rank has mapped it (or given up) by now
             if not connected:
-                for segment in segments:
-                    if segment is not None:
-                        segment.close()
+                for segment in segments.values():
+                    segment.close()
 
     # --- point to point ---------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        if dst not in self.outboxes:
+            return self._over_network(self.inner._isend(tensor, dst), tensor, dst,
+                                      f"send to rank {dst}", sent=True)
+        self.traffic.count_route("shm", sent=nbytes(tensor))
         return self._queue(self.outboxes[dst],
                            _Message(self, _as_bytes(tensor), dst, f"send to rank {dst}"))
 
     def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        if src not in self.inboxes:
+            return self._over_network(self.inner._irecv(tensor, src), tensor, src,
+                                      f"receive from rank {src}", sent=False)
+        self.traffic.count_route("shm", received=nbytes(tensor))
         target = _as_bytes(tensor)
 
         def copy_out(piece: torch.Tensor, offset: int, size: int) -> None:
@@ -371,10 +397,12 @@ class ShmTransport(Transport):
         With forward_to, the sum goes straight into the slot of the outgoing message
         and `accumulator` is only read: one pass over memory for receive, reduce, send.
         """
-        if accumulator.device.type != "cpu":
+        if (accumulator.device.type != "cpu" or src not in self.inboxes
+                or (forward_to is not None and forward_to not in self.outboxes)):
             return super().irecv_reduce(accumulator, src, op, scratch, forward_to)
         self._check_peer(accumulator, src, "irecv_reduce")
         self.traffic.count_receive(accumulator)
+        self.traffic.count_route("shm", received=nbytes(accumulator))
         target = _as_bytes(accumulator)
         dtype = accumulator.dtype
         what = f"receive from rank {src}"
@@ -390,6 +418,7 @@ class ShmTransport(Transport):
             return self._queue(self.inboxes[src], _Message(self, target, src, what, fold))
         self._check_peer(accumulator, forward_to, "irecv_reduce")
         self.traffic.count_send(accumulator)
+        self.traffic.count_route("shm", sent=nbytes(accumulator))
         outbox = self.outboxes[forward_to]
         relay = _Message(self, target, src, f"{what} (passed on to rank {forward_to})",
                          fold, relay_to=outbox)
@@ -397,6 +426,13 @@ class ShmTransport(Transport):
         if relay.size:
             outbox.queue.append(relay)  # holds our place in the order of sends to forward_to
         return self._queue(self.inboxes[src], relay)
+
+    def _over_network(self, inner: Handle, tensor: torch.Tensor, peer: int, what: str,
+                      sent: bool) -> Handle:
+        self.traffic.count_route("network", **{"sent" if sent else "received": nbytes(tensor)})
+        handle = _Remote(self, inner, peer, what)
+        self.remote.append(handle)
+        return handle
 
     def _queue(self, channel: _Channel, message: _Message) -> Handle:
         if not message.done:  # an empty message moves nothing
@@ -406,13 +442,23 @@ class ShmTransport(Transport):
 
     # --- the progress engine ----------------------------------------------------------
     def progress(self) -> bool:
-        """Move every queued piece that can move now, without blocking. True if any did."""
+        """Move every queued piece that can move now, without blocking. True if any did.
+
+        Messages over the backend are polled too: MPI moves a message only while the
+        process is inside an MPI call, and testing is such a call.
+        """
         moved = False
         for channel in self.outboxes.values():
             moved |= self._push(channel)
         for channel in self.inboxes.values():
             moved |= self._pull(channel)
+        if self.remote:
+            self.remote = [handle for handle in self.remote if not handle.test()]
         return moved
+
+    def _shm_busy(self) -> bool:
+        return any(c.queue for c in self.outboxes.values()) or any(
+            c.queue for c in self.inboxes.values())
 
     def _push(self, channel: _Channel) -> bool:
         moved = False
@@ -495,6 +541,17 @@ class ShmTransport(Transport):
                 raise PeerError(f"{message.what} failed: rank {message.peer} "
                                 f"(pid {pid}) has exited")
 
+    def wait_remote(self, handle: _Remote) -> None:
+        """Wait for a message over the backend; keep shared memory moving meanwhile."""
+        timeout = self.timeout.total_seconds()
+        deadline = time.monotonic() + timeout
+        while self._shm_busy() and not handle.test():
+            if not self.progress():
+                _sem_nap(self.bell, _REMOTE_POLL_SECONDS)
+            if time.monotonic() > deadline:
+                raise PeerError(f"{handle.what} timed out after {timeout:g} s")
+        handle.inner.wait()  # done, or nothing of ours is queued: the backend's own wait
+
     # --- the rest goes to the backend ---------------------------------------------------
     def barrier(self) -> None:
         self.inner.barrier()
@@ -511,9 +568,9 @@ class ShmTransport(Transport):
     def close(self) -> None:
         for channel in [*self.outboxes.values(), *self.inboxes.values()]:
             channel.release()
-        for segment in self.segments:
+        for segment in self.segments.values():
             segment.close()
-        self.segments = []
+        self.segments = {}
         self.inner.close()
 
 

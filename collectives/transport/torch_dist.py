@@ -33,6 +33,9 @@ class _TorchHandle(Handle):
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
             raise PeerError(f"{self.what} failed: {first_line}") from error
 
+    def test(self) -> bool:
+        return self.work.is_completed()
+
 
 class TorchDistTransport(Transport):
     """Point-to-point over an already initialised torch.distributed process group."""
