@@ -3,6 +3,7 @@
     python checks_cluster.py BACKEND algorithms OUTDIR   every algorithm against numpy,
                                                           plus NIC bytes per algorithm
     python checks_cluster.py BACKEND loop OUTDIR         all-reduce until a peer fails
+    python checks_cluster.py BACKEND ddp OUTDIR          our DDP equals torch's DDP
 
 Each rank writes what it saw to OUTDIR/rank<R>.json; the test compares the ranks.
 """
@@ -58,7 +59,7 @@ def loop_case(comm, outdir):
     calls = 0
     try:
         while time.monotonic() - started < 120:
-            collectives.all_reduce(tensor, algorithm="ring", comm=comm)
+            collectives.all_reduce(tensor, comm=comm)  # auto: hierarchical on 2 x 2
             tensor.fill_(1)
             calls += 1
             if calls == 3:  # tell the test this rank is in its loop
@@ -69,11 +70,21 @@ def loop_case(comm, outdir):
         return {"raised": f"PeerError: {error}", "calls": calls, "failed_at": failed_at}
 
 
+def ddp_case(comm):
+    """ResNet-18 (BatchNorm) and the MLP with unused branches train as with torch DDP."""
+    from checks_ddp import compare_with_torch_ddp
+    digests = [compare_with_torch_ddp(comm, "resnet18", algorithm="hierarchical"),
+               compare_with_torch_ddp(comm, "mlp", "by-rank")]  # auto: hierarchical too
+    return {"digest": str(digests)}
+
+
 def main(backend: str, case: str, outdir: str) -> None:
     comm = collectives.init(backend=backend, timeout=float(os.environ.get("CHECK_TIMEOUT", 30)))
     result = {"rank": comm.rank, "hostname": socket.gethostname(), "transport": comm.name,
               "local_rank": comm.local_rank}
-    result.update(algorithms_case(comm) if case == "algorithms" else loop_case(comm, outdir))
+    cases = {"algorithms": algorithms_case, "ddp": ddp_case,
+             "loop": lambda comm: loop_case(comm, outdir)}
+    result.update(cases[case](comm))
     result["finished_at"] = time.monotonic()
     with open(os.path.join(outdir, f"rank{comm.rank}.json"), "w") as out:
         json.dump(result, out)

@@ -3,6 +3,7 @@
 Needs root (network namespaces), as CI has; skipped with the reason elsewhere. Every
 test removes what it built, and checks that nothing of its run is left.
 """
+import glob
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import pytest
 
 from collectives.cluster import ClusterSpec, Network
 from collectives.cluster.job import start_mpirun, start_ranks
+from collectives.cluster.network import STATE_ROOT
 from collectives.mpi_launcher import find_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -106,6 +108,18 @@ def test_every_algorithm_is_right_across_hosts_and_the_bytes_follow_the_formulas
                     assert abs(counted - payload) <= 0.01 * size, (route, counted, payload)
 
 
+@pytest.mark.timeout(400)
+def test_our_ddp_equals_torch_ddp_on_2_hosts_of_2_ranks(tmp_path):
+    spec = ClusterSpec((2, 2), bandwidth=FAST)
+    with Network(spec) as network:
+        job = start_ranks(network, checks("ddp") + [str(tmp_path)], prefix=False)
+        assert job.wait(timeout=360) == 0  # each rank asserts equality with torch's DDP
+    assert_removed(network)
+    results = read_ranks(tmp_path, 4)
+    assert len({r["digest"] for r in results}) == 1, "ranks ended with different parameters"
+    assert {r["transport"] for r in results} == {"gloo+shm"}
+
+
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fault", ["link cut", "SIGKILL"])
 def test_a_cut_link_or_a_killed_rank_is_a_peer_error_on_every_survivor(fault, tmp_path):
@@ -153,7 +167,7 @@ def test_mpirun_runs_across_the_emulated_hosts(tmp_path):
         results = read_ranks(out, 4)
         assert [r["hostname"] for r in results] == ["node0", "node0", "node1", "node1"]
         assert [r["local_rank"] for r in results] == [0, 1, 0, 1]
-        assert {r["transport"] for r in results} == {backend}
+        assert {r["transport"] for r in results} == {backend + "+shm"}  # shm inside a host
         assert len({r["digest"] for r in results}) == 1
 
 
@@ -172,23 +186,39 @@ def test_cli_one_host_prefixes_output_and_returns_the_worst_status():
                      "[rank 1 node0]: node0", "[rank 1 node0]: rank 1 of 2"], done.stdout
 
 
+def runs_owned_by(pid):
+    """The names of the cluster runs whose launcher is `pid` (from their state files)."""
+    runs = []
+    for state in glob.glob(os.path.join(STATE_ROOT, "*", "state.json")):
+        try:
+            with open(state) as file:
+                if json.load(file)["owner"] == pid:
+                    runs.append(os.path.basename(os.path.dirname(state)))
+        except (OSError, ValueError):
+            pass  # a run being built or removed right now
+    return runs
+
+
 @pytest.mark.timeout(120)
 def test_cli_removes_everything_on_sigterm_and_cleanup_removes_a_killed_run():
-    before = netns_names()
     for how in (signal.SIGTERM, signal.SIGKILL):
         launcher = subprocess.Popen([sys.executable, "-m", "collectives.cluster", "--hosts", "2",
                                      "--", "sleep", "60"], cwd=ROOT)
         deadline = time.monotonic() + 60
-        while len(netns_names() - before) < 3 and time.monotonic() < deadline:
+        ours = set()
+        while len(ours) < 3 and time.monotonic() < deadline:
             time.sleep(0.2)
-        assert len(netns_names() - before) == 3  # two hosts and the switch
+            runs = runs_owned_by(launcher.pid)
+            ours = {n for n in netns_names() for run in runs if n.startswith(run + "-")}
+        assert len(ours) == 3  # two hosts and the switch
         launcher.send_signal(how)
         launcher.wait(timeout=30)
         if how == signal.SIGKILL:  # nothing could clean up: --cleanup does
-            assert netns_names() - before
+            assert ours & netns_names()
             done = run_cli("--cleanup")
-            assert done.returncode == 0 and "removed 1 run" in done.stdout, done.stdout
-        assert netns_names() - before == set()
+            assert done.returncode == 0 and runs[0] in done.stdout, done.stdout
+        assert not ours & netns_names()
+        assert not os.path.exists(os.path.join(STATE_ROOT, runs[0]))
 
 
 @pytest.mark.timeout(60)
