@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import List, Mapping, Optional, Sequence, Tuple
 
 
 class LaunchError(RuntimeError):
@@ -69,6 +69,16 @@ _LAUNCHERS = [
     ("pmix", "PMIX_RANK", None, None, None),
     ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
 ]
+
+
+def split_command(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
+    """A launcher's own options and the command after "--": ("-np 4 -- python x" ->
+    (["-np", "4"], ["python", "x"])). Without "--" there is no command."""
+    argv = list(argv)
+    if "--" not in argv:
+        return argv, []
+    cut = argv.index("--")
+    return argv[:cut], argv[cut + 1:]
 
 
 def _read_int(env: Mapping[str, str], name: str) -> int:

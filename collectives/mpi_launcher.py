@@ -19,6 +19,8 @@ import sys
 import sysconfig
 from typing import List, Optional, Sequence, Tuple
 
+from .launch import split_command
+
 
 def mpi_library_flavor() -> Tuple[str, str]:
     """("mpich" | "openmpi" | "other", first line of the version) of mpi4py's MPI library."""
@@ -92,11 +94,7 @@ def mpirun_command(nprocs: int, command: Sequence[str], hosts: Optional[str] = N
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    command: List[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
+    argv, command = split_command(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(
         prog="launch_mpi.sh",
         description="Start COMMAND on N ranks with the mpirun that belongs to mpi4py's MPI. "

@@ -45,7 +45,7 @@ def bytes_sent(comm, algorithm: str) -> dict:
 
 
 def algorithms_case(comm):
-    digests = check_all_reduce(comm, dtypes=[torch.float32, torch.bfloat16, torch.int64])
+    digests = check_all_reduce(comm)  # every algorithm, op, dtype and awkward size
     segments = check_ring_segments(comm)
     sent = {name: bytes_sent(comm, name) for name in ("ring", "naive", "hierarchical")}
     return {"digest": str(sorted(digests.items())) + str(sorted(segments.items())),

@@ -19,6 +19,7 @@ import signal
 import sys
 from typing import List, Optional, Sequence
 
+from ..launch import split_command
 from .job import start_mpirun, start_ranks
 from .network import ClusterError, ClusterSpec, Network, remove_leftovers
 
@@ -33,11 +34,7 @@ def _ranks_per_host(hosts: Optional[int], per_host: str) -> List[int]:
 
 
 def parse(argv: Sequence[str]):
-    argv = list(argv)
-    command: List[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
+    argv, command = split_command(argv)
     parser = argparse.ArgumentParser(
         prog="python -m collectives.cluster",
         description="Run COMMAND as a job on emulated hosts of this machine: each host a "

@@ -37,7 +37,6 @@ import secrets
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -311,10 +310,3 @@ def _run(argv: List[str], check: bool = True, stdin: Optional[str] = None):
 def _in(namespace: str, script: str) -> None:
     """Run a short shell script inside a namespace (several ip/tc commands in one go)."""
     _run(["ip", "netns", "exec", namespace, "sh", "-ec", script])
-
-
-def wait_gone(pids: Sequence[int], seconds: float) -> None:
-    """Wait until none of `pids` runs, at most `seconds`."""
-    deadline = time.monotonic() + seconds
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
