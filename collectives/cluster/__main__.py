@@ -37,6 +37,7 @@ def parse(argv: Sequence[str]):
     argv, command = split_command(argv)
     parser = argparse.ArgumentParser(
         prog="python -m collectives.cluster",
+        usage="%(prog)s [options] -- COMMAND [ARG ...]\n       %(prog)s --cleanup",
         description="Run COMMAND as a job on emulated hosts of this machine: each host a "
                     "network namespace with its own hostname, all joined by one switch, "
                     "every link shaped to --bandwidth both ways. Needs root.",
