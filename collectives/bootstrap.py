@@ -42,6 +42,7 @@ from .transport.topology import Topology
 BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 EXIT_GRACE_SECONDS = 5.0  # at exit, the longest wait for background threads to finish
+ABORT_GRACE_SECONDS = 0.5  # before MPI_Abort, time for the traceback to reach mpiexec
 
 _default: Optional[Transport] = None
 _exit_hooks_installed = False
@@ -264,6 +265,10 @@ def _abort_mpi_job_on_uncaught(previous_hook):
         comm = _default
         if (comm is not None and comm.world_size > 1 and mpi is not None
                 and mpi.Is_initialized() and not mpi.Is_finalized()):
+            sys.stderr.flush()
+            # mpiexec forwards output through its proxies and may drop what is still on
+            # the way when an abort tears the job down: give the traceback a moment.
+            time.sleep(ABORT_GRACE_SECONDS)
             abort(130 if issubclass(kind, KeyboardInterrupt) else 1)
     return hook
 

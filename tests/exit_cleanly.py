@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -43,6 +45,19 @@ ABORT_SIGNS = ("terminate called", "core dumped", "SIGABRT", "exitcode: -6", "Ab
 
 # --- the rank program ----------------------------------------------------------------------
 def rank_main(case: str, backend: str) -> None:
+    """Run the case; a rank that fails also writes its error to $EXIT_CLEANLY_DIR, since
+    mpirun can drop a rank's last output when MPI_Abort ends the job."""
+    try:
+        _rank_case(case, backend)
+    except BaseException as error:
+        folder = os.environ.get("EXIT_CLEANLY_DIR")
+        if folder and not (isinstance(error, SystemExit) and not error.code):
+            with open(os.path.join(folder, f"error-{os.getpid()}"), "w") as out:
+                out.write(f"{type(error).__name__}: {error}\n")
+        raise
+
+
+def _rank_case(case: str, backend: str) -> None:
     import torch
     import collectives
     from collectives import sync
@@ -121,7 +136,8 @@ def _shm_files() -> set:
 
 
 def run_job(launcher: str, case: str, nprocs: int = 2) -> Outcome:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT)
+    errors = tempfile.mkdtemp(prefix="exit-cleanly-")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, EXIT_CLEANLY_DIR=errors)
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(name, None)
     before = _shm_files()
@@ -135,6 +151,10 @@ def run_job(launcher: str, case: str, nprocs: int = 2) -> Outcome:
         output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
                          for part in (hung.stdout or "", hung.stderr or ""))
     seconds = time.monotonic() - started
+    for name in sorted(os.listdir(errors)):  # the ranks' errors, as they wrote them
+        with open(os.path.join(errors, name)) as file:
+            output += f"\n[error file] {file.read()}"
+    shutil.rmtree(errors, ignore_errors=True)
     return Outcome(launcher, case, returncode, seconds, output, sorted(_shm_files() - before))
 
 
