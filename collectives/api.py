@@ -36,7 +36,7 @@ DEBUG = os.environ.get("COLLECTIVES_DEBUG", "").upper() == "DETAIL"
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 _COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
-_ALGORITHM_IDS = {name: i for i, name in enumerate(
+ALGORITHM_IDS = {name: i for i, name in enumerate(
     ["auto", "ring", "halving-doubling", "tree", "naive", "native", "hierarchical"])}
 
 
@@ -75,7 +75,7 @@ def _describe(row: List[int]) -> str:
              f"dtype={str(SUPPORTED_DTYPES[dtype]).replace('torch.', '')}"]
     if op >= 0:
         parts.append(f"op={REDUCE_OPS[op]}")
-    parts.append(f"algorithm={list(_ALGORITHM_IDS)[algorithm]}")
+    parts.append(f"algorithm={list(ALGORITHM_IDS)[algorithm]}")
     if root >= 0:
         parts.append(f"root={root}")
     if sequence >= 0:
@@ -104,7 +104,7 @@ def agree_on_call(comm: Transport, collective: str, tensor: torch.Tensor,
     sequence = getattr(comm, "calls", 0) if DEBUG else -1
     signature = [_COLLECTIVES.index(collective),
                  REDUCE_OPS.index(op) if op else -1,
-                 _ALGORITHM_IDS[algorithm],
+                 ALGORITHM_IDS[algorithm],
                  SUPPORTED_DTYPES.index(tensor.dtype),
                  tensor.numel(), root, sequence] + _shape_fields(tuple(tensor.shape))
     rows = gather_rows(comm, signature)
@@ -151,7 +151,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
                comm: Optional[Transport] = None, check: bool = True) -> torch.Tensor:
     """Reduce `tensor` over all ranks, in place; every rank gets the bitwise same result.
 
-    op: "sum", "avg", "max" or "min" (integer avg rounds down).
+    op: "sum", "avg", "max", "min" or "product" (integer avg rounds down).
     algorithm: "auto", "ring", "halving-doubling", "tree", "naive", "hierarchical" or
         "native".
     """
@@ -236,6 +236,33 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
         for slot, tensor in enumerate(output):
             tensor.view(-1).copy_(flat[slot * count:(slot + 1) * count])
     return output
+
+
+def all_to_all(outputs: List[torch.Tensor], inputs: List[torch.Tensor],
+               comm: Optional[Transport] = None) -> List[torch.Tensor]:
+    """Rank r sends inputs[p] to rank p; outputs[p] receives rank p's inputs[r].
+
+    Pieces may differ in size (as torch's all_to_all), but each pair must agree:
+    outputs[p] on rank r has the size of inputs[r] on rank p. Pairwise exchange
+    (algorithms/pairwise.py). A wrong size surfaces as PeerError, not as garbage.
+    """
+    comm = comm or get_comm()
+    n = comm.world_size
+    if len(outputs) != n or len(inputs) != n:
+        raise ValueError(f"all_to_all: need {n} output and {n} input tensors, got "
+                         f"{len(outputs)} and {len(inputs)}")
+    for what, tensors in (("output", outputs), ("input", inputs)):
+        for peer, tensor in enumerate(tensors):
+            _check_tensor(tensor, f"all_to_all: {what} {peer}")
+    if any(o.dtype != i.dtype for o, i in zip(outputs, inputs)):
+        raise ValueError("all_to_all: outputs and inputs must share one dtype")
+    comm.calls = getattr(comm, "calls", 0) + 1
+    try:
+        algorithms.pairwise.all_to_all(comm, [o.view(-1) for o in outputs],
+                                       [i.view(-1) for i in inputs])
+    except PeerError as error:
+        raise PeerError(f"all_to_all (pairwise, call #{comm.calls}): {error}") from error
+    return outputs
 
 
 def _through_flat_buffers(tensors: Sequence[torch.Tensor], run) -> None:

@@ -60,7 +60,16 @@ def _as_timedelta(timeout: Union[None, float, timedelta]) -> timedelta:
 
 
 def resolve_backend(backend: str) -> str:
-    """The concrete backend for a name, with a one-line error for a bad one."""
+    """The concrete backend for a name, with a one-line error for a bad one.
+
+    "auto" takes $COLLECTIVES_BACKEND when it is set (so a script that says nothing can
+    be moved to another backend from the launch command), else nccl with CUDA, else gloo.
+    """
+    if backend == "auto" and os.environ.get("COLLECTIVES_BACKEND", "").strip():
+        backend = os.environ["COLLECTIVES_BACKEND"].strip().lower()
+        if backend not in BACKENDS:
+            raise LaunchError(f"COLLECTIVES_BACKEND={backend!r}: choose from "
+                              f"{', '.join(BACKENDS)}")
     if backend not in BACKENDS:
         raise LaunchError(f"unknown backend {backend!r}: choose from {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -208,6 +217,47 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
     return comm
 
 
+def _backend_of_group(group) -> str:
+    """gloo or nccl: which of a torch process group's backends our transport will use."""
+    import torch.distributed as dist
+    name = str(dist.get_backend(group)).lower()  # e.g. "gloo", "nccl", "cpu:gloo,cuda:nccl"
+    if "nccl" in name and (name == "nccl" or "gloo" not in name):
+        return resolve_backend("nccl")
+    if "gloo" in name:
+        return "gloo"
+    raise LaunchError(f"the torch.distributed group uses backend {name!r}; collectives "
+                      "can run over gloo or nccl groups (or use collectives.init())")
+
+
+def adopt_torch_group(group=None, timeout: Union[None, float, timedelta] = None,
+                      shm: Union[None, bool, str] = None) -> Transport:
+    """A communicator over a torch.distributed process group the script already made.
+
+    A torch DDP script has called `dist.init_process_group(...)` before it wraps its
+    model; our DDP face (and `get_comm()`) adopt that group instead of asking for
+    `collectives.init()`. `group` None means torch's default group; a subgroup gives a
+    communicator whose ranks are the group's ranks. Collective over the group's members.
+    The group stays the script's: closing the communicator leaves it to
+    `dist.destroy_process_group()`.
+    """
+    import torch.distributed as dist
+    from .transport.torch_dist import TorchDistTransport
+    if not dist.is_initialized():
+        raise LaunchError("torch.distributed has no process group: call "
+                          "dist.init_process_group() or collectives.init() first")
+    backend = _backend_of_group(group)
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    info = detect_launch()
+    device = (torch.device("cuda", torch.cuda.current_device()) if backend == "nccl"
+              else torch.device("cpu"))
+    comm: Transport = TorchDistTransport(backend, rank, size, info.local_rank, device,
+                                         _as_timedelta(timeout), group, owns_group=False)
+    if size > 1:
+        comm.topology = Topology.exchange(comm)
+        comm = _with_shared_memory(comm, want_shm(shm))
+    return comm
+
+
 def _close_at_exit() -> None:
     """Close the default communicator while the interpreter is still whole.
 
@@ -282,13 +332,21 @@ def _install_exit_hooks() -> None:
 
 
 def get_comm() -> Transport:
-    """The communicator from init(); in a plain single process, a world of one."""
+    """The communicator from init(); else one over torch.distributed's default group if
+    the script made one (see adopt_torch_group); in a plain single process, a world of
+    one."""
     global _default
     if _default is None:
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            _default = adopt_torch_group()  # a torch script's own process group
+            _install_exit_hooks()
+            return _default
         info = detect_launch()
         if info.world_size > 1:
             raise RuntimeError(f"this is rank {info.rank} of {info.world_size} "
-                               f"({info.launcher}): call collectives.init() first")
+                               f"({info.launcher}): call collectives.init() (or "
+                               "torch.distributed.init_process_group()) first")
         _default = LocalTransport(torch.device("cpu"), DEFAULT_TIMEOUT)
     return _default
 

@@ -24,9 +24,19 @@ bucketer does what DDP's Reducer does:
    `param.grad`. DDP mode calls it automatically when backward ends (an autograd engine
    callback); the Horovod face calls it from optimizer.step().
 
-Unused parameters (find_unused_parameters=True): parameters whose hook never fired this
-step contribute zeros; a tiny all-reduce of a "used" map tells which parameters no rank
-used, and their .grad is left untouched, exactly as DDP does.
+Parameters without a gradient this step (a conditional or multi-task model, a frozen
+branch): ranks may differ in which parameters they used, and every rank must still take
+part in every bucket's reduction, or the ranks that did use them wait forever. So at
+finish() the missing gradients count as zeros and the rest of the buckets are launched,
+on every rank, in the same order. What happens next is the `unused` mode:
+
+    "error"   DDP's default: after the round completes, raise on the rank that had
+              missing gradients, naming them (find_unused_parameters=False).
+    "detect"  DDP's find_unused_parameters=True: a tiny all-reduce of a "used" map, the
+              last job of every step on every rank, tells which parameters no rank used;
+              their .grad is left untouched, exactly as DDP does.
+    "zeros"   Horovod's rule: every parameter's .grad gets the reduced value, zeros
+              included.
 """
 from __future__ import annotations
 
@@ -42,6 +52,7 @@ from .bootstrap import stop_at_exit
 from .transport import Transport
 
 MiB = 1 << 20
+UNUSED_MODES = ("error", "detect", "zeros")
 
 
 @dataclass
@@ -133,14 +144,20 @@ class Bucketer:
     def __init__(self, params: Sequence[torch.nn.Parameter],
                  reduce_bucket: Callable[[torch.Tensor], None], comm: Transport,
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 gradient_as_bucket_view: bool = False, find_unused_parameters: bool = False,
+                 gradient_as_bucket_view: bool = False, unused: str = "error",
                  finish_after_backward: bool = True, names: Optional[Dict[int, str]] = None,
-                 passes_per_sync: int = 1):
+                 passes_per_sync: int = 1, sparse_as_dense: bool = False):
+        if unused not in UNUSED_MODES:
+            raise ValueError(f"unused={unused!r}: choose from {', '.join(UNUSED_MODES)}")
         trainable = [p for p in reversed(list(params)) if p.requires_grad]
         self.comm = comm
         self.reduce_bucket = reduce_bucket
         self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.find_unused_parameters = find_unused_parameters
+        self.unused = unused
+        # Sparse gradients (nn.Embedding(sparse=True)) are reduced as dense tensors when
+        # asked, and handed back sparse; otherwise they are refused.
+        self.sparse_as_dense = sparse_as_dense
+        self._sparse: Dict[int, int] = {}  # id(param) -> sparse_dim of its gradient
         self.finish_after_backward = finish_after_backward
         self.names = names or {}
         self.buckets: List[Bucket] = []
@@ -163,6 +180,7 @@ class Bucketer:
                         slot.copy_(param.grad)
                     param.grad = slot
         self.enabled = True  # False inside no_sync(): gradients just accumulate
+        self.grad_scale = 1.0  # reduced gradients are multiplied by this (DDP's join)
         # Horovod's backward_passes_per_step: a gradient is reduced on every k-th arrival.
         self.passes_per_sync = passes_per_sync
         self._arrivals = {id(p): 0 for b in self.buckets for p in b.params}
@@ -188,8 +206,15 @@ class Bucketer:
         index, position = self.where[id(param)]
         bucket = self.buckets[index]
         slot = bucket.slot(position)
-        if param.grad.data_ptr() != slot.data_ptr():
-            slot.copy_(param.grad)  # copy mode, or the optimizer replaced a view with None
+        grad = param.grad
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                raise RuntimeError(f"parameter {self._name(param)} has a sparse gradient: "
+                                   "pass sparse_as_dense=True to reduce it as a dense one")
+            self._sparse[id(param)] = grad.sparse_dim()
+            slot.copy_(grad.to_dense())
+        elif grad.data_ptr() != slot.data_ptr():
+            slot.copy_(grad)  # copy mode, or the optimizer replaced a view with None
             if self.gradient_as_bucket_view:
                 param.grad = slot
         if bucket.ready[position]:
@@ -207,55 +232,90 @@ class Bucketer:
             self._next_to_launch += 1
 
     # --- after backward ----------------------------------------------------------------
-    def finish(self) -> None:
-        """Wait for every bucket's reduction and write the results into param.grad."""
-        if not self._step_started:
+    def finish(self, always: bool = False) -> None:
+        """Wait for every bucket's reduction and write the results into param.grad.
+
+        always: take part even if no gradient arrived since the last step (the Horovod
+        face's step(): a rank whose loss touched none of these parameters still owes
+        its peers the round). Otherwise a step without gradients does nothing.
+        """
+        if not self._step_started and not always:
             return
-        globally_unused = set()
-        if self._next_to_launch < len(self.buckets):
-            missing = [p for b in self.buckets for p, ready in zip(b.params, b.ready)
-                       if not ready]
-            if not self.find_unused_parameters:
-                self._reset()
-                names = ", ".join(self._name(p) for p in missing[:5])
-                raise RuntimeError(
-                    f"{len(missing)} parameter(s) got no gradient in this backward pass "
-                    f"({names}{', ...' if len(missing) > 5 else ''}): pass "
-                    "find_unused_parameters=True, or make every parameter take part")
-            globally_unused = self._globally_unused()
+        missing = [p for b in self.buckets for p, ready in zip(b.params, b.ready) if not ready]
+        used_map = None
+        if self.unused == "detect":  # this rank's used map, before the zeros go in
+            used_map = torch.tensor([r for b in self.buckets for r in b.ready],
+                                    dtype=torch.int32)
+        if missing:  # the peers wait for these buckets: send zeros for what we lack
             for bucket in self.buckets:
                 for position, ready in enumerate(bucket.ready):
                     if not ready:
-                        bucket.slot(position).zero_()  # unused here: contribute zeros
+                        bucket.slot(position).zero_()
                         bucket.ready[position] = True
             self._launch_ready_buckets()
+        if used_map is not None:
+            self._launch_used_map(used_map)
+        self._wait_for_all()
+        if missing and self.unused == "error":
+            names = ", ".join(self._name(p) for p in missing[:5])
+            raise RuntimeError(
+                f"{len(missing)} parameter(s) got no gradient in this backward pass "
+                f"({names}{', ...' if len(missing) > 5 else ''}): pass "
+                "find_unused_parameters=True, or make every parameter take part")
+        flat = [p for b in self.buckets for p in b.params]
+        globally_unused = set()
+        if used_map is not None:
+            globally_unused = {id(p) for p, u in zip(flat, used_map.tolist()) if not u}
+        for bucket in self.buckets:
+            for position, param in enumerate(bucket.params):
+                if id(param) in globally_unused:
+                    continue  # no rank used it: leave .grad as it was, as DDP does
+                slot = bucket.slot(position)
+                if self.grad_scale != 1.0:
+                    slot.mul_(self.grad_scale)
+                if id(param) in self._sparse:
+                    param.grad = slot.to_sparse(self._sparse[id(param)])  # as it came
+                elif param.grad is None:
+                    param.grad = slot if self.gradient_as_bucket_view else slot.clone()
+                elif param.grad.data_ptr() != slot.data_ptr():
+                    param.grad.copy_(slot)
+
+    def shadow(self) -> None:
+        """Take part in one step's reductions with nothing to contribute.
+
+        For a rank whose inputs ran out while the others train (DDP's join): zeros for
+        every bucket, in order, and (mode "detect") a used map that says "none used".
+        Nothing is written to .grad.
+        """
+        self._reset()
+        for bucket in self.buckets:
+            bucket.buffer.zero_()
+            bucket.ready = [True] * len(bucket.params)
+        self._launch_ready_buckets()
+        if self.unused == "detect":
+            self._launch_used_map(torch.zeros(sum(len(b.params) for b in self.buckets),
+                                              dtype=torch.int32))
+        self._wait_for_all()
+
+    def _launch_used_map(self, used_map: torch.Tensor) -> None:
+        """Which parameters any rank used: the last job of every step on every rank (the
+        same order everywhere), a max over the ranks' 0/1 maps, in place."""
+        self._pending.append(self.worker.submit(
+            lambda: self.comm.native_all_reduce(used_map, "max")))
+
+    def _wait_for_all(self) -> None:
+        """Wait for every launched job, start the next step afresh, re-raise a comm error."""
         for done in self._pending:
             done.wait()
         error = self.worker.error
         self._reset()
         if error is not None:
             raise error
-        for bucket in self.buckets:
-            for position, param in enumerate(bucket.params):
-                if id(param) in globally_unused:
-                    continue  # no rank used it: leave .grad as it was, as DDP does
-                slot = bucket.slot(position)
-                if param.grad is None:
-                    param.grad = slot if self.gradient_as_bucket_view else slot.clone()
-                elif param.grad.data_ptr() != slot.data_ptr():
-                    param.grad.copy_(slot)
 
-    def _globally_unused(self) -> set:
-        """Parameters that no rank used this step (one small all-reduce of a used map)."""
-        flat = [p for b in self.buckets for p in b.params]
-        ready = [r for b in self.buckets for r in b.ready]
-        used = torch.tensor(ready, dtype=torch.int32)
-        # The backend's own collective, not one of ours: this runs on the training thread
-        # while the comm thread may still be exchanging an earlier bucket point-to-point
-        # with a rank whose buckets filled sooner, and a native collective never matches
-        # those messages (one made of send/recv could take them).
-        self.comm.native_all_reduce(used, "max")
-        return {id(p) for p, u in zip(flat, used.tolist()) if not u}
+    @property
+    def in_flight(self) -> bool:
+        """True between the first gradient of a step and finish()."""
+        return self._step_started
 
     def _reset(self) -> None:
         self._pending = []

@@ -18,17 +18,27 @@ What happens underneath, in order:
    backward returns, every .grad holds the average over ranks.
 4. `no_sync()`: gradients accumulate locally; the next backward outside it reduces
    the accumulated sum, as torch's.
+5. `join()`: uneven inputs. A rank whose data ran out leaves the training loop and,
+   inside the context, shadows the others' steps until every rank is done (see
+   `join` below), as torch's DDP with its Join context.
+
+Which ranks: a script that made a torch.distributed process group itself
+(`dist.init_process_group(...)`, as every torch DDP tutorial does) needs no
+`collectives.init()`: the wrapper adopts torch's default group, or the group passed as
+`process_group=` (bootstrap.adopt_torch_group).
 """
 from __future__ import annotations
 
 import contextlib
 import zlib
-from typing import Optional
+from typing import List, Optional
+
+import torch
 
 from torch import nn
 
 from .api import broadcast_coalesced, gather_rows
-from .bootstrap import get_comm
+from .bootstrap import adopt_torch_group, get_comm
 from .bucketer import Bucketer
 from .sync import SyncStrategy, create
 from .transport import Transport
@@ -66,23 +76,60 @@ def check_same_buckets(bucketer: Bucketer, comm: Transport) -> None:
 class DistributedDataParallel(nn.Module):
     """Data-parallel wrapper with torch DDP's constructor arguments and behaviour.
 
-    algorithm: the collective for each bucket ("ring", "halving-doubling", "tree",
-               "native", "auto"); ignored when `sync` is given.
-    sync:      a SyncStrategy instance or registered name (default "allreduce").
+    torch's arguments, in torch's order:
+      device_ids, output_device, dim: where replicas live on multi-device hosts; a CPU
+          module takes None, as torch requires (a CUDA module: its one device).
+      broadcast_buffers: rank 0's buffers before every forward (default True).
+      init_sync: broadcast rank 0's parameters and buffers when wrapping (default True).
+      process_group: a torch.distributed group to run over (default: `comm`, else the
+          default group of collectives.init() or of the script's init_process_group).
+      bucket_cap_mb: gradient bucket size (default 25).
+      find_unused_parameters: allow parameters without a gradient in a step (and leave
+          .grad alone for those that no rank used). static_graph=True implies it, as
+          torch's static graph supports unused parameters.
+      gradient_as_bucket_view: .grad points into the bucket (saves a copy).
+      check_reduction, skip_all_reduce_unused_params, batched_grad_copy: accepted, with
+          no effect (torch's optimisations or deprecated; results are the same).
+      forward_sync_buffers: when not None, overrides broadcast_buffers (as torch).
+      delay_all_reduce_named_params, param_to_hook_all_reduce, mixed_precision,
+      device_mesh, bucket_cap_mb_list: not provided; anything but the default raises.
+
+    Ours (keyword only):
+      algorithm: the collective for each bucket ("ring", "halving-doubling", "tree",
+                 "native", "auto"); ignored when `sync` is given.
+      sync:      a SyncStrategy instance or registered name (default "allreduce").
+      comm:      a communicator of ours to run over.
+      first_bucket_mb: the first (smallest) bucket, so communication starts early.
     """
 
-    def __init__(self, module: nn.Module, device_ids=None, output_device=None,
-                 broadcast_buffers: bool = True, bucket_cap_mb: float = 25.0,
-                 find_unused_parameters: bool = False, gradient_as_bucket_view: bool = False,
-                 algorithm: str = "ring", sync=None, comm: Optional[Transport] = None,
+    def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
+                 broadcast_buffers: Optional[bool] = True, init_sync: bool = True,
+                 process_group=None, bucket_cap_mb: Optional[float] = None,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params=None, param_to_hook_all_reduce=None,
+                 mixed_precision=None, device_mesh=None,
+                 skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list=None,
+                 batched_grad_copy: bool = False, forward_sync_buffers: Optional[bool] = None,
+                 *, algorithm: str = "ring", sync=None, comm: Optional[Transport] = None,
                  first_bucket_mb: float = 1.0):
         super().__init__()
+        _refuse_unprovided(delay_all_reduce_named_params=delay_all_reduce_named_params,
+                           param_to_hook_all_reduce=param_to_hook_all_reduce,
+                           mixed_precision=mixed_precision, device_mesh=device_mesh,
+                           bucket_cap_mb_list=bucket_cap_mb_list)
+        _check_devices(module, device_ids, output_device)
         self.module = module
-        self.comm = comm or get_comm()
-        self.broadcast_buffers = broadcast_buffers
+        if comm is None:
+            comm = adopt_torch_group(process_group) if process_group is not None else get_comm()
+        self.comm = comm
+        self.broadcast_buffers = (broadcast_buffers if forward_sync_buffers is None
+                                  else forward_sync_buffers) is not False
+        self._join: Optional[_JoinState] = None
         check_same_model(module, self.comm)
-        broadcast_coalesced([p.data for p in module.parameters()] +
-                            [b for b in module.buffers()], src=0, comm=self.comm)
+        if init_sync:
+            broadcast_coalesced([p.data for p in module.parameters()] +
+                                [b for b in module.buffers()], src=0, comm=self.comm)
         if sync is None:
             sync = create("allreduce", algorithm=algorithm)
         elif isinstance(sync, str):
@@ -92,19 +139,22 @@ class DistributedDataParallel(nn.Module):
         names = {id(p): name for name, p in module.named_parameters()}
         self.bucketer = None
         if self.sync.uses_buckets:
+            unused = "detect" if (find_unused_parameters or static_graph) else "error"
             self.bucketer = Bucketer(module.parameters(), self.sync.reduce_bucket, self.comm,
-                                     bucket_cap_mb=bucket_cap_mb,
+                                     bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
                                      first_bucket_mb=first_bucket_mb,
                                      gradient_as_bucket_view=gradient_as_bucket_view,
-                                     find_unused_parameters=find_unused_parameters,
-                                     names=names)
+                                     unused=unused, names=names)
             check_same_buckets(self.bucketer, self.comm)
 
     def forward(self, *inputs, **kwargs):
+        buffer_source = 0
+        if self._join is not None and torch.is_grad_enabled():
+            buffer_source = self._join.step_in(self)  # a rank that still has data
         if self.broadcast_buffers and self.sync.forward_buffer_sync:
             buffers = list(self.module.buffers())
-            if buffers:  # rank 0's BatchNorm statistics are everyone's
-                broadcast_coalesced(buffers, src=0, comm=self.comm)
+            if buffers:  # the source rank's BatchNorm statistics are everyone's
+                broadcast_coalesced(buffers, src=buffer_source, comm=self.comm)
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager
@@ -119,3 +169,114 @@ class DistributedDataParallel(nn.Module):
             yield
         finally:
             self.bucketer.enabled = previous
+
+    @contextlib.contextmanager
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False):
+        """Train on uneven inputs: ranks may run out of batches at different steps.
+
+            with model.join():
+                for x, y in loader:          # rank 0 has 7 batches, rank 1 has 5
+                    loss_fn(model(x), y).backward(); optimizer.step()
+
+        Each forward inside the block first tells every rank who is still training (one
+        tiny all-reduce). A rank whose loop has ended waits at the end of the block and
+        shadows each step of the others: it takes part in the buffer broadcast and in
+        every bucket's reduction, with zeros, so nobody waits for it. When every rank
+        is done, the parameters and buffers of a rank that trained longest are
+        broadcast to all, as torch's DDP does.
+
+        divide_by_initial_world_size: gradients are divided by the world size (True,
+            torch's default) or by the number of ranks still training (False).
+        throw_on_early_termination: instead, raise on every rank as soon as one runs
+            out of data.
+        Sync strategies that communicate outside the gradient buckets (local SGD, for
+        one) cannot be shadowed and are refused.
+        """
+        if not enable or self.comm.world_size == 1:
+            yield
+            return
+        if self.bucketer is None:
+            raise NotImplementedError(f"join() shadows bucket reductions; the "
+                                      f"{self.sync.name!r} strategy has none")
+        if self._join is not None:
+            raise RuntimeError("join() contexts do not nest")
+        self._join = _JoinState(divide_by_initial_world_size, throw_on_early_termination)
+        finished = False
+        try:
+            yield
+            finished = True
+        finally:
+            state, self._join = self._join, None
+        if finished:
+            state.shadow_until_all_done(self)
+
+
+class _JoinState:
+    """Who is still training, step by step, for DistributedDataParallel.join()."""
+
+    def __init__(self, divide_by_initial_world_size: bool, throw_on_early_termination: bool):
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.throw = throw_on_early_termination
+        self.steps = 0  # forwards this rank ran inside the block
+
+    def _exchange(self, ddp: "DistributedDataParallel", active: bool) -> List[List[int]]:
+        """Every rank's [still training, will sync this step, steps so far]."""
+        syncs = ddp.bucketer.enabled if active else False
+        return gather_rows(ddp.comm, [int(active), int(syncs), self.steps])
+
+    def step_in(self, ddp: "DistributedDataParallel") -> int:
+        """An active rank starts a step; returns the rank whose buffers everyone takes."""
+        self.steps += 1
+        rows = self._exchange(ddp, active=True)
+        active = [rank for rank, row in enumerate(rows) if row[0]]
+        if self.throw and len(active) < len(rows):
+            raise RuntimeError(f"rank {ddp.comm.rank}: rank(s) "
+                               f"{[r for r in range(len(rows)) if r not in active]} ran out "
+                               "of inputs (join(throw_on_early_termination=True))")
+        scale = 1.0 if self.divide_by_initial_world_size else len(rows) / len(active)
+        ddp.bucketer.grad_scale = scale
+        return max(active)
+
+    def shadow_until_all_done(self, ddp: "DistributedDataParallel") -> None:
+        """This rank's data ran out: mirror the others' steps until none is left."""
+        ddp.bucketer.grad_scale = 1.0
+        while True:
+            rows = self._exchange(ddp, active=False)
+            active = [rank for rank, row in enumerate(rows) if row[0]]
+            if not active:
+                break
+            if self.throw:
+                raise RuntimeError(f"rank {ddp.comm.rank} ran out of inputs "
+                                   "(join(throw_on_early_termination=True))")
+            if ddp.broadcast_buffers and ddp.sync.forward_buffer_sync:
+                buffers = list(ddp.module.buffers())
+                if buffers:
+                    broadcast_coalesced(buffers, src=max(active), comm=ddp.comm)
+            if any(rows[rank][1] for rank in active):  # their backward reduces buckets
+                ddp.bucketer.shadow()
+        # The ranks that trained longest hold the final model: the highest of them sends it.
+        longest = max(row[2] for row in rows)
+        source = max(rank for rank, row in enumerate(rows) if row[2] == longest)
+        broadcast_coalesced([p.data for p in ddp.module.parameters()] +
+                            list(ddp.module.buffers()), src=source, comm=ddp.comm)
+
+
+def _refuse_unprovided(**arguments) -> None:
+    """torch DDP arguments this wrapper does not provide: a clear error, not a surprise."""
+    for name, value in arguments.items():
+        if value is not None:
+            raise NotImplementedError(f"DistributedDataParallel({name}=...) is torch's and is "
+                                      "not provided here; leave it at its default (None)")
+
+
+def _check_devices(module: nn.Module, device_ids, output_device) -> None:
+    """torch's rule: device_ids and output_device stay None for a CPU module; a GPU
+    module may name its one device (one replica per process)."""
+    on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+    if on_cpu and (device_ids is not None or output_device is not None):
+        raise ValueError("DistributedDataParallel: device_ids and output_device must be None "
+                         f"for a module on CPU (got device_ids={device_ids}, "
+                         f"output_device={output_device})")
+    if device_ids is not None and len(device_ids) != 1:
+        raise ValueError(f"DistributedDataParallel: device_ids names one device, got {device_ids}")

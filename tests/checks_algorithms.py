@@ -77,6 +77,29 @@ def check_all_reduce(comm, algorithm_names=None, dtypes=DTYPES, ops=OPS):
     return digests
 
 
+def check_product(comm):
+    """op="product" through every all-reduce algorithm (float64 and int64, exact for the
+    integers; within n roundings for the floats)."""
+    n, rank = comm.world_size, comm.rank
+    digests = {}
+    for algorithm in algorithms.names("all_reduce"):
+        for dtype in (torch.float64, torch.int64):
+            for numel in sizes_for(n):
+                tensor = make_input(rank, numel, dtype)
+                collectives.all_reduce(tensor, op="product", algorithm=algorithm, comm=comm)
+                inputs = [make_input(r, numel, dtype) for r in range(n)]
+                expected = inputs[0].clone()
+                for other in inputs[1:]:
+                    expected = expected * other
+                if dtype.is_floating_point:
+                    allowed = (n + 1) * UNIT_ROUNDOFF[dtype] * expected.abs()
+                    assert ((tensor - expected).abs() <= allowed).all(), (algorithm, numel)
+                else:
+                    assert torch.equal(tensor, expected), (algorithm, numel)
+                digests[(algorithm, str(dtype), numel)] = digest(tensor)
+    return digests
+
+
 def check_ring_segments(comm):
     """The pipelined ring with tiny segments: many messages a step, uneven chunks."""
     digests = {}
@@ -127,9 +150,11 @@ def check_broadcast_gather_scatter(comm):
 if __name__ == "__main__":
     comm = collectives.init(backend="mpi", timeout=60)
     results = [check_all_reduce(comm, dtypes=[torch.float32, torch.bfloat16, torch.int64]),
-               check_ring_segments(comm), check_broadcast_gather_scatter(comm)]
+               check_ring_segments(comm), check_broadcast_gather_scatter(comm),
+               check_product(comm)]
     # all ranks must hold bitwise identical results: compare digests with rank 0's
     from mpi4py import MPI
     first = MPI.COMM_WORLD.bcast(results, root=0)
-    assert results[0] == first[0] and results[1] == first[1], "ranks differ"
+    assert results[0] == first[0] and results[1] == first[1] and results[3] == first[3], \
+        "ranks differ"
     sys.stdout.write(f"rank {comm.rank} ({comm.name}): {sum(map(len, results))} checks ok\n")

@@ -4,6 +4,7 @@
     halving_doubling.py   Rabenseifner's recursive halving-doubling all-reduce
     tree.py               binomial-tree broadcast, reduce and all-reduce
     naive.py              gather to one rank, reduce, send back (teaching baseline)
+    pairwise.py           all-to-all by pairwise exchange
     hierarchical.py       inside each host, then across hosts, then inside (topology)
     native.py             the backend's own collectives, for comparison
     auto.py               which one to use for a given size and world
@@ -11,7 +12,7 @@
 The tables below map the names users pass (`algorithm="ring"`) to functions. All
 functions take (comm, flat, ...) where `flat` is a 1-D contiguous tensor, in place.
 """
-from . import auto, halving_doubling, hierarchical, naive, native, ring, tree
+from . import auto, halving_doubling, hierarchical, naive, native, pairwise, ring, tree
 
 ALL_REDUCE = {
     "ring": ring.all_reduce,

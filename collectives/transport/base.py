@@ -32,10 +32,10 @@ import torch
 
 from .topology import Topology
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 # The ops an algorithm itself performs. "avg" is "sum" followed by one division,
 # done once in api.py so that every algorithm divides the same way.
-ALGORITHM_OPS = ("sum", "max", "min")
+ALGORITHM_OPS = ("sum", "max", "min", "product")
 
 
 @dataclass
@@ -168,7 +168,8 @@ def nbytes(tensor: torch.Tensor) -> int:
 
 # Each op's out-of-place torch function: reduce_into writes into the accumulator, or
 # (shared memory) straight into an outgoing message.
-COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum}
+COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum,
+           "product": torch.mul}
 
 
 def reduce_into(accumulator: torch.Tensor, incoming: torch.Tensor, op: str,

@@ -85,7 +85,7 @@ class _MpiHandle(Handle):
         return self.request.Test()  # also lets MPI move the message along
 
 
-_MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN"}
+_MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PROD"}
 
 
 class MpiTransport(Transport):

@@ -1,0 +1,179 @@
+"""Horovod's PyTorch API on our engine: `import collectives.horovod as hvd`.
+
+A Horovod training script runs with that one import changed. Underneath:
+
+    hvd.init()                        collectives.init() (idempotent, as Horovod's)
+    hvd.allreduce / allgather /       a job on the face's engine thread (engine.py):
+      broadcast / alltoall /          the ranks negotiate (a mismatch is an error on
+      reducescatter (+ _async,        every rank, not a hang), then our algorithms run;
+      in-place _ and grouped_)        the synchronous forms are differentiable (ops.py)
+    hvd.join()                        stand in for the others' allreduces with zeros
+    hvd.DistributedOptimizer          the Bucketer of our DDP, each bucket an allreduce
+                                      on the engine (optimizer.py)
+    hvd.broadcast_parameters /        one broadcast per dtype / rank root's state_dict,
+      broadcast_optimizer_state /       pickled and broadcast
+      broadcast_object / allgather_object
+
+Differences from Horovod: collectives are matched in call order (Horovod matches them
+by name), so every rank must issue them in the same order; CPU tensors only.
+
+Not provided (each raises NotImplementedError): Adasum, process sets other than the
+global one, sparse allreduce (use sparse_as_dense=True), SyncBatchNorm, the timeline,
+elastic training; the TensorFlow / Keras / MXNet APIs are not here at all.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import bootstrap
+from ..bootstrap import get_comm
+from .optimizer import (Compression, DistributedOptimizer, broadcast_object,
+                        broadcast_optimizer_state, broadcast_parameters, allgather_object)
+from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
+                  allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
+                  alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
+                  broadcast_async_, forget_engines, global_process_set, grouped_allgather,
+                  grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                  grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+                  join, poll, reducescatter, reducescatter_async, sparse_allreduce_async,
+                  synchronize)
+from .engine import HorovodInternalError
+
+
+# --- the process ----------------------------------------------------------------------
+def init(comm=None, process_sets=None, *, backend: str = "auto", timeout=None) -> None:
+    """Join the job. Calling it again is harmless, as in Horovod.
+
+    comm: None, or mpi4py's COMM_WORLD (then the mpi backend is used).
+    process_sets: only None (the global set) is provided.
+    """
+    if process_sets:
+        raise NotImplementedError("process sets are not provided; only the global one")
+    if comm is not None:
+        from mpi4py import MPI
+        if comm != MPI.COMM_WORLD:
+            raise NotImplementedError("hvd.init(comm=...) takes only MPI.COMM_WORLD")
+        backend = "mpi"
+    if is_initialized():
+        return
+    import torch.distributed as dist
+    if dist.is_available() and dist.is_initialized():
+        get_comm()  # the script's own torch.distributed group is adopted
+        return
+    bootstrap.init(backend=backend, timeout=timeout)
+
+
+def is_initialized() -> bool:
+    return bootstrap._default is not None
+
+
+def shutdown() -> None:
+    """Stop the engine and close the communicator; init() may be called again."""
+    forget_engines()
+    bootstrap.destroy()
+
+
+def rank() -> int:
+    return get_comm().rank
+
+
+def size() -> int:
+    return get_comm().world_size
+
+
+def local_rank() -> int:
+    comm = get_comm()
+    return comm.topology.local_rank(comm.rank) if comm.world_size > 1 else 0
+
+
+def local_size() -> int:
+    comm = get_comm()
+    return len(comm.topology.local_ranks(comm.rank)) if comm.world_size > 1 else 1
+
+
+def cross_rank() -> int:
+    """Which host this rank is on (hosts numbered by their lowest rank)."""
+    comm = get_comm()
+    return comm.topology.host_of[comm.rank] if comm.world_size > 1 else 0
+
+
+def cross_size() -> int:
+    """How many hosts the job spans."""
+    comm = get_comm()
+    return len(comm.topology.hosts) if comm.world_size > 1 else 1
+
+
+def is_homogeneous() -> bool:
+    """Whether every host runs the same number of ranks."""
+    comm = get_comm()
+    return comm.world_size == 1 or len({len(h) for h in comm.topology.hosts}) == 1
+
+
+def mpi_enabled() -> bool:
+    return get_comm().backend == "mpi"
+
+
+def mpi_built() -> bool:
+    try:
+        import mpi4py  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+def gloo_enabled() -> bool:
+    return get_comm().backend == "gloo"
+
+
+def gloo_built() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_gloo_available()
+
+
+def nccl_built() -> int:
+    """0: this face runs on CPU tensors and has no NCCL operations of its own (Horovod
+    returns the NCCL version it was built with, or 0)."""
+    return 0
+
+
+def ddl_built() -> bool:
+    return False
+
+
+def ccl_built() -> bool:
+    return False
+
+
+def cuda_built() -> bool:
+    return False
+
+
+def rocm_built() -> bool:
+    return False
+
+
+def mpi_threads_supported() -> bool:
+    """Whether MPI allows calls from several threads (the engine thread makes them)."""
+    if get_comm().backend != "mpi":
+        return False
+    from mpi4py import MPI
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+
+
+def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
+    raise NotImplementedError("Horovod's timeline is not provided")
+
+
+def stop_timeline() -> None:
+    raise NotImplementedError("Horovod's timeline is not provided")
+
+
+def add_process_set(process_set) -> None:
+    raise NotImplementedError("process sets other than hvd.global_process_set are not provided")
+
+
+class SyncBatchNorm(torch.nn.Module):
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError("hvd.SyncBatchNorm is not provided")
+
+
+__all__ = [name for name in dir() if not name.startswith("_")]

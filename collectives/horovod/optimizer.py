@@ -1,0 +1,241 @@
+"""Horovod's training helpers: DistributedOptimizer, broadcasting parameters, optimizer
+state and objects, and gradient compression.
+
+`DistributedOptimizer` uses the same Bucketer as our DDP (bucketer.py): gradients are
+averaged bucket by bucket on a comm thread while backward runs, and `optimizer.step()`
+waits for them. Each bucket goes through the face's engine (engine.py) like any
+allreduce, so a rank that has called `hvd.join()` stands in for it with zeros.
+As in Horovod, a parameter without a gradient in a step takes part with zeros and gets
+the averaged gradient, so ranks that used different parameters never wait on each other.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from typing import Optional
+
+import torch
+
+from ..bootstrap import get_comm
+from ..bucketer import Bucketer
+from .ops import (Adasum, Average, allgather, allreduce_job, broadcast_async_, engine,
+                  global_process_set, synchronize)
+
+
+# --- compression, as Horovod's: compress(t) -> (t, ctx); decompress(t, ctx) -> t ---------
+class NoneCompressor:
+    """Send tensors as they are."""
+
+    @staticmethod
+    def compress(tensor):
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor
+
+
+class FP16Compressor:
+    """Send floating-point tensors as float16 (half the bytes); restore the dtype after."""
+
+    @staticmethod
+    def compress(tensor):
+        if tensor.is_floating_point() and tensor.dtype != torch.float16:
+            return tensor.to(torch.float16), tensor.dtype
+        return tensor, None
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        return tensor if ctx is None else tensor.to(ctx)
+
+
+class Compression:
+    none = NoneCompressor
+    fp16 = FP16Compressor
+
+
+# --- broadcasting state -------------------------------------------------------------------
+def broadcast_parameters(params, root_rank: int, process_set=global_process_set) -> None:
+    """Broadcast a state_dict, or a list of (name, tensor), from root_rank, in place.
+
+    One flat buffer per dtype (not one message per tensor), in name order on every rank.
+    """
+    items = params.items() if isinstance(params, dict) else params
+    tensors = [t for _, t in sorted(items, key=lambda item: item[0])
+               if isinstance(t, torch.Tensor)]
+    groups = {}
+    for tensor in tensors:
+        groups.setdefault(tensor.dtype, []).append(tensor)
+    for group in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        synchronize(broadcast_async_(flat, root_rank, process_set=process_set))
+        offset = 0
+        for tensor in group:
+            tensor.detach().copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            offset += tensor.numel()
+
+
+def _to_bytes(obj) -> torch.Tensor:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+
+
+def _from_bytes(payload: torch.Tensor):
+    return torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+
+
+def broadcast_object(obj, root_rank: int = 0, name: Optional[str] = None,
+                     process_set=global_process_set):
+    """Any picklable object from root_rank to every rank (its length, then its bytes)."""
+    rank = get_comm().rank
+    payload = _to_bytes(obj) if rank == root_rank else torch.empty(0, dtype=torch.uint8)
+    length = torch.tensor([payload.numel()], dtype=torch.int64)
+    synchronize(broadcast_async_(length, root_rank, process_set=process_set))
+    if rank != root_rank:
+        payload = torch.empty(int(length.item()), dtype=torch.uint8)
+    synchronize(broadcast_async_(payload, root_rank, name, process_set))
+    return _from_bytes(payload)
+
+
+def allgather_object(obj, name: Optional[str] = None, process_set=global_process_set) -> list:
+    """Every rank's picklable object, in rank order."""
+    payload = _to_bytes(obj)
+    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64),
+                      process_set=process_set).tolist()
+    gathered = allgather(payload, name, process_set)
+    out, start = [], 0
+    for size in sizes:
+        out.append(_from_bytes(gathered[start:start + size]))
+        start += size
+    return out
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+                              process_set=global_process_set) -> None:
+    """Make every rank's optimizer state and options rank root_rank's.
+
+    As Horovod does, an optimizer that has no state yet (never stepped) is first given
+    it: zero gradients and one local step, so there is state for the root's to fill.
+    """
+    if not optimizer.state_dict()["state"]:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and param.grad is None:
+                    param.grad = torch.zeros_like(param)
+        getattr(optimizer, "_local_step", optimizer.step)()
+    optimizer.load_state_dict(broadcast_object(optimizer.state_dict(), root_rank,
+                                               process_set=process_set))
+
+
+# --- the optimizer ------------------------------------------------------------------------
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None,
+                         compression=Compression.none, backward_passes_per_step: int = 1,
+                         op: str = Average, gradient_predivide_factor: float = 1.0,
+                         num_groups: int = 0, groups=None, sparse_as_dense: bool = False,
+                         process_set=global_process_set, *, sparse: bool = False,
+                         bucket_cap_mb: float = 25.0, algorithm: str = "auto"):
+    """Average gradients over ranks during backward; `optimizer.step()` waits for them.
+
+    Horovod's arguments in Horovod's order. num_groups / groups (Horovod's fusion
+    groups) are accepted: buckets of `bucket_cap_mb` do that fusion here.
+    sparse_as_dense: sparse gradients (nn.Embedding(sparse=True)) are reduced as dense
+    tensors and handed back sparse; without it they are refused with a clear error.
+    sparse: older Horovod's name for taking sparse gradients; the same here (the values
+    are those of a sparse allreduce; only fewer zeros are dropped).
+
+    Returns the same optimizer object (so LR schedulers and isinstance checks still work)
+    with step() wrapped and synchronize() / skip_synchronize() added.
+    """
+    if op == Adasum:
+        raise NotImplementedError("Adasum is not provided; use hvd.Average or hvd.Sum")
+    if process_set is not global_process_set:
+        raise NotImplementedError("process sets other than hvd.global_process_set are not "
+                                  "provided")
+    if backward_passes_per_step < 1:
+        raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
+    comm = get_comm()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    names = _named(params, named_parameters)
+
+    if op == Average:  # divide (at least partly) first: a float16 sum must not overflow
+        prescale = 1.0 / gradient_predivide_factor if gradient_predivide_factor != 1.0 \
+            else 1.0 / comm.world_size
+        postscale = gradient_predivide_factor / comm.world_size \
+            if gradient_predivide_factor != 1.0 else 1.0
+        reduce = "sum"
+    else:
+        prescale, postscale, reduce = 1.0, 1.0, op
+
+    def reduce_bucket(flat: torch.Tensor) -> None:
+        sent, ctx = compression.compress(flat)
+        engine().run(allreduce_job([sent], reduce, prescale, postscale, algorithm))
+        if sent is not flat:
+            flat.copy_(compression.decompress(sent, ctx))
+
+    bucketer = Bucketer(params, reduce_bucket, comm, bucket_cap_mb=bucket_cap_mb,
+                        finish_after_backward=False, names=names, unused="zeros",
+                        passes_per_sync=backward_passes_per_step,
+                        sparse_as_dense=sparse_as_dense or sparse)
+    local_step, local_zero_grad = optimizer.step, optimizer.zero_grad
+    state = {"skipping": False, "synchronized": False}
+
+    def synchronize_gradients() -> None:
+        """Wait for every gradient's allreduce (all of them: those that got no gradient
+        this step take part with zeros)."""
+        bucketer.finish(always=True)
+        state["synchronized"] = True
+
+    def step(closure=None):
+        if not state["skipping"]:
+            if state["synchronized"]:
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(). The gradients were "
+                              "already averaged; they are not averaged again.")
+            else:
+                synchronize_gradients()
+        state["synchronized"] = False
+        return local_step(closure) if closure is not None else local_step()
+
+    def zero_grad(*args, **kwargs):
+        if bucketer.in_flight:
+            raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
+                                 "before optimizer.step() or optimizer.synchronize(); the "
+                                 "gradients are still being averaged")
+        return local_zero_grad(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def skip_synchronize():
+        """step() without waiting: for when synchronize() was called already (clipping, AMP)."""
+        state["skipping"] = True
+        try:
+            yield
+        finally:
+            state["skipping"] = False
+
+    optimizer.step = step
+    optimizer.zero_grad = zero_grad
+    optimizer.synchronize = synchronize_gradients
+    optimizer.skip_synchronize = skip_synchronize
+    optimizer._local_step = local_step
+    optimizer._collectives_bucketer = bucketer
+    return optimizer
+
+
+def _named(params, named_parameters) -> dict:
+    """id(param) -> name, checking Horovod's rules: unique names covering every param."""
+    if named_parameters is None:
+        return {}
+    pairs = list(named_parameters)
+    seen = set()
+    duplicates = sorted({name for name, _ in pairs if name in seen or seen.add(name)})
+    if duplicates:
+        raise ValueError(f"parameter names in named_parameters must be unique; repeated: "
+                         f"{', '.join(duplicates[:5])}")
+    names = {id(p): name for name, p in pairs}
+    unnamed = [p for p in params if id(p) not in names]
+    if unnamed:
+        raise ValueError(f"{len(unnamed)} optimizer parameter(s) are missing from "
+                         "named_parameters")
+    return names

@@ -1,0 +1,353 @@
+"""What the faces (our DDP, the Horovod API) must do, checked on every rank.
+
+Shared by the gloo tests (spawned ranks, tests/test_faces.py) and the mpi test (this
+file run under mpirun). Each check returns something picklable that the caller compares
+across ranks, or raises.
+"""
+import sys
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import collectives
+import collectives.horovod as hvd
+
+
+def _close(actual, expected, what, **tolerance):
+    torch.testing.assert_close(actual, expected, msg=lambda m: f"{what}: {m}", **tolerance)
+
+
+# --- Horovod's collectives ----------------------------------------------------------------
+def check_horovod_collectives(comm):
+    """Every collective of the Horovod face, with Horovod's semantics, on this world."""
+    hvd.init()
+    hvd.init()  # a second init is harmless, as in Horovod
+    rank, size = hvd.rank(), hvd.size()
+    assert (rank, size) == (comm.rank, comm.world_size)
+    base = torch.arange(1, 13, dtype=torch.float64).view(3, 4)
+    mine = base * (rank + 1)
+    everyone = [base * (r + 1) for r in range(size)]
+
+    # allreduce: every op, average by default, a new tensor; allreduce_ in place
+    _close(hvd.allreduce(mine, average=False), sum(everyone), "sum")
+    _close(hvd.allreduce(mine), sum(everyone) / size, "average")
+    _close(hvd.allreduce(mine, op=hvd.Max), everyone[-1], "max")
+    _close(hvd.allreduce(mine, op=hvd.Min), everyone[0], "min")
+    product = everyone[0].clone()
+    for other in everyone[1:]:
+        product = product * other
+    _close(hvd.allreduce(mine, op=hvd.Product), product, "product")
+    scaled = hvd.allreduce(mine, op=hvd.Sum, prescale_factor=0.5, postscale_factor=3.0)
+    _close(scaled, sum(everyone) * 1.5, "pre/postscale")
+    integers = torch.full((5,), 7 * (rank + 1), dtype=torch.int32)
+    _close(hvd.allreduce(integers, op=hvd.Sum, prescale_factor=0.5),
+           torch.full((5,), sum(int(7 * (r + 1) * 0.5) for r in range(size)),
+                      dtype=torch.int32), "integer prescale in float64, truncated")
+    in_place = mine.clone()
+    assert hvd.allreduce_(in_place, op=hvd.Sum) is in_place
+    _close(in_place, sum(everyone), "allreduce_")
+
+    # async: a handle that is not done at once, poll, synchronize in any order
+    handles = [hvd.allreduce_async(mine * k, op=hvd.Sum, name=f"t{k}") for k in range(4)]
+    assert not all(hvd.poll(h) for h in handles), "every op was done at once: not async"
+    for k in reversed(range(4)):
+        _close(hvd.synchronize(handles[k]), sum(everyone) * k, f"async {k}")
+    first = hvd.allreduce_async(mine, name="dup")
+    try:
+        hvd.allreduce_async(mine, name="dup")
+        raise AssertionError("a second op under an in-flight name was accepted")
+    except ValueError:
+        pass
+    hvd.synchronize(first)
+    hvd.synchronize(hvd.allreduce_async(mine, name="dup"))  # free again after synchronize
+
+    # grouped, differentiable
+    group = [mine.clone().requires_grad_(), (mine[0] * 2).clone().requires_grad_()]
+    outs = hvd.grouped_allreduce(group, op=hvd.Sum)
+    _close(outs[1], sum(e[0] * 2 for e in everyone), "grouped")
+    (outs[0].sum() + outs[1].sum()).backward()
+    _close(group[0].grad, torch.full_like(mine, size), "grouped grad")
+
+    # allgather: first dimensions may differ; its gradient is this rank's slice of the sum
+    rows = torch.full((rank + 1, 2), float(rank), requires_grad=True)
+    gathered = hvd.allgather(rows)
+    assert gathered.shape == (sum(r + 1 for r in range(size)), 2)
+    expected = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)])
+    _close(gathered, expected.to(gathered.dtype), "allgather")
+    gathered.sum().backward()
+    _close(rows.grad, torch.full((rank + 1, 2), float(size)), "allgather grad")
+
+    # broadcast: every dtype (int16 too), every root; the gradient lands on the root
+    for dtype in (torch.int16, torch.int8, torch.uint8, torch.float16, torch.int64):
+        for root in range(size):
+            value = torch.full((6,), rank + 1).to(dtype)
+            out = hvd.broadcast(value, root)
+            assert torch.equal(out, torch.full((6,), root + 1).to(dtype)), (dtype, root)
+            assert torch.equal(value, torch.full((6,), rank + 1).to(dtype)), "input changed"
+    leaf = torch.ones(4, requires_grad=True)
+    hvd.broadcast(leaf * (rank + 1), root_rank=size - 1).sum().backward()
+    _close(leaf.grad, torch.full((4,), float(size * (rank + 1) if rank == size - 1 else 0)),
+           "broadcast grad")
+
+    # alltoall with uneven splits, and its gradient (the alltoall back)
+    splits = torch.tensor([peer + 1 for peer in range(size)], dtype=torch.int32)
+    sent = torch.cat([torch.full((peer + 1, 2), float(100 * rank + peer))
+                      for peer in range(size)]).requires_grad_()
+    received = hvd.alltoall(sent, splits)
+    expected = torch.cat([torch.full((rank + 1, 2), float(100 * peer + rank))
+                          for peer in range(size)])
+    _close(received, expected, "alltoall")
+    (received * 2).sum().backward()
+    _close(sent.grad, torch.full_like(sent, 2.0), "alltoall grad")
+    for bad in (torch.tensor([1] * size, dtype=torch.int64),
+                torch.tensor([100] * size, dtype=torch.int32)):
+        try:
+            hvd.alltoall(sent.detach(), bad)
+            raise AssertionError(f"alltoall accepted splits {bad}")
+        except ValueError:
+            pass
+
+    # reducescatter: uneven first dimension, the first ranks get one row more
+    full = torch.arange(float((size + 1) * 3)).view(size + 1, 3) * (rank + 1)
+    part = hvd.reducescatter(full, op=hvd.Sum)
+    total = sum(torch.arange(float((size + 1) * 3)).view(size + 1, 3) * (r + 1)
+                for r in range(size))
+    start = 0 if rank == 0 else rank + 1
+    _close(part, total[start:start + (2 if rank == 0 else 1)], "reducescatter")
+
+    # objects
+    assert hvd.broadcast_object({"from": rank} if rank == 0 else None) == {"from": 0}
+    assert hvd.allgather_object(("rank", rank)) == [("rank", r) for r in range(size)]
+    hvd.barrier()
+
+    # a mismatch is an error on every rank, and the job goes on
+    for wrong in (torch.ones(3 + rank), torch.ones(3, dtype=torch.float32 if rank else
+                                                        torch.float64)):
+        try:
+            hvd.allreduce(wrong)
+            raise AssertionError("mismatched allreduce did not raise")
+        except RuntimeError as error:
+            assert "disagree" in str(error), error
+    try:
+        hvd.allreduce(mine, op=hvd.Adasum)
+        raise AssertionError("Adasum did not raise")
+    except NotImplementedError:
+        pass
+    _close(hvd.allreduce(mine, op=hvd.Sum), sum(everyone), "after the errors")
+    assert hvd.local_size() >= 1 and hvd.cross_size() >= 1 and hvd.nccl_built() == 0
+    return float(hvd.allreduce(mine, op=hvd.Sum).sum())
+
+
+def check_horovod_join(comm):
+    """Uneven work: rank r runs 2 + r allreduces, then joins; the joined ranks add zeros,
+    averages divide by the whole world (Horovod's rule), join() names the last rank."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    results = []
+    for step in range(2 + rank):
+        results.append(hvd.allreduce(torch.tensor([float(step + 1)] * 3), op=hvd.Sum))
+    last = hvd.join()
+    assert last == size - 1, f"join() returned {last}"
+    for step, got in enumerate(results):
+        active = sum(1 for r in range(size) if step < 2 + r)
+        _close(got, torch.tensor([float(active * (step + 1))] * 3), f"step {step}")
+    # broadcast while a rank is joined: an error on the caller, not a hang
+    if rank == 0:
+        hvd.join()
+    else:
+        try:
+            hvd.broadcast(torch.ones(2), root_rank=1)
+            raise AssertionError("broadcast with a joined rank did not raise")
+        except RuntimeError as error:
+            assert "join" in str(error), error
+        hvd.join()
+    return last
+
+
+# --- Horovod's optimizer -------------------------------------------------------------------
+class TwoHeads(nn.Module):
+    """A trunk and two heads: each rank trains through the head of its own choosing."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(6, 8)
+        self.head_a = nn.Linear(8, 2)
+        self.head_b = nn.Linear(8, 2)
+
+    def forward(self, x, head):
+        h = torch.relu(self.trunk(x))
+        return self.head_a(h) if head == "a" else self.head_b(h)
+
+
+def _head(rank, step):
+    return "a" if (rank + step) % 2 == 0 else "b"
+
+
+def _batch(rank, step):
+    generator = torch.Generator().manual_seed(10 * step + rank)
+    return torch.randn(4, 6, generator=generator), torch.randn(4, 2, generator=generator)
+
+
+def _local_grads(model, rank, step):
+    model.zero_grad()
+    x, y = _batch(rank, step)
+    F.mse_loss(model(x, _head(rank, step)), y).backward()
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p))
+            for n, p in model.named_parameters()}
+
+
+def check_horovod_uneven_parameters(comm, steps=3):
+    """Ranks use different parameters in a step (the used-map deadlock of old): no
+    hang, and every gradient is the world's average with zeros from the ranks that did
+    not use it, as Horovod does."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    model = TwoHeads()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    reference = TwoHeads()
+    for step in range(steps):
+        optimizer.zero_grad()
+        x, y = _batch(rank, step)
+        F.mse_loss(model(x, _head(rank, step)), y).backward()
+        optimizer.step()
+        per_rank = [_local_grads(reference, r, step) for r in range(size)]
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param -= 0.1 * sum(g[name] for g in per_rank) / size
+    for (name, ours), (_, theirs) in zip(model.named_parameters(), reference.named_parameters()):
+        _close(ours, theirs, f"{name} on rank {rank}", rtol=1e-5, atol=1e-6)
+    return float(sum(p.sum() for p in model.parameters()))
+
+
+def check_horovod_optimizer_rules(comm):
+    """DistributedOptimizer's rules: unique names, step() after synchronize() warns,
+    broadcast_optimizer_state fills a fresh optimizer's state."""
+    hvd.init()
+    net = nn.Linear(3, 1)
+    try:
+        hvd.DistributedOptimizer(torch.optim.SGD(list(net.parameters()) * 1, lr=0.1),
+                                 named_parameters=[("w", net.weight), ("w", net.bias)])
+        raise AssertionError("duplicate names were accepted")
+    except ValueError:
+        pass
+    hvd.broadcast_parameters(net.state_dict(), root_rank=0)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1,
+                                                         momentum=0.9),
+                                         named_parameters=net.named_parameters())
+    hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    assert len(optimizer.state_dict()["state"]) == 2, "fresh optimizer state not made"
+    net(torch.ones(2, 3) * (comm.rank + 1)).sum().backward()
+    optimizer.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        optimizer.step()
+    assert any("skip_synchronize" in str(w.message) for w in caught), caught
+    return float(net.weight.sum())
+
+
+# --- our DDP ---------------------------------------------------------------------------------
+def _uneven_batches(rank, world_size):
+    """Rank r has 3 + r batches (uneven inputs)."""
+    return [_batch(rank, step) for step in range(3 + rank)]
+
+
+class SmallNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 2))
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _train_with_join(model, rank, world_size, **join_options):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    with model.join(**join_options):
+        for x, y in _uneven_batches(rank, world_size):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    return {n: p.detach().clone() for n, p in model.module.named_parameters()}
+
+
+def check_ddp_join_equals_torch(comm, divide_by_initial_world_size=True):
+    """Uneven inputs with join(): our DDP ends where torch's DDP ends."""
+    theirs = _train_with_join(torch.nn.parallel.DistributedDataParallel(SmallNet()),
+                              comm.rank, comm.world_size,
+                              divide_by_initial_world_size=divide_by_initial_world_size)
+    ours = _train_with_join(collectives.DistributedDataParallel(SmallNet()),
+                            comm.rank, comm.world_size,
+                            divide_by_initial_world_size=divide_by_initial_world_size)
+    for name in theirs:
+        _close(ours[name], theirs[name], f"{name} on rank {comm.rank}", rtol=1e-5, atol=1e-6)
+    return float(sum(p.sum() for p in ours.values()))
+
+
+def check_ddp_join_throws_early(comm):
+    """join(throw_on_early_termination=True): every rank raises once one runs out."""
+    model = collectives.DistributedDataParallel(SmallNet())
+    _train_with_join(model, comm.rank, comm.world_size, throw_on_early_termination=True)
+    return "no error"
+
+
+def check_ddp_uneven_parameters_without_flag(comm):
+    """find_unused_parameters=False and ranks that use different parameters: the rank
+    that lacks gradients raises, naming them; no rank hangs."""
+    model = collectives.DistributedDataParallel(TwoHeads())
+    x, y = _batch(comm.rank, 0)
+    head = "a" if comm.rank == 0 else "b"
+    F.mse_loss(model(x, head), y).backward()
+    return "finished"
+
+
+def check_ddp_subgroup(comm):
+    """process_group=: a DDP over ranks 0 and 1 only, on a torch subgroup."""
+    import torch.distributed as dist
+    group = dist.new_group([0, 1])
+    if comm.rank > 1:
+        return None
+    model = collectives.DistributedDataParallel(SmallNet(), process_group=group)
+    x, y = _batch(comm.rank, 0)
+    F.mse_loss(model(x), y).backward()
+    reference = SmallNet()
+    grads = []
+    for r in (0, 1):
+        reference.zero_grad()
+        xr, yr = _batch(r, 0)
+        F.mse_loss(reference(xr), yr).backward()
+        grads.append([p.grad.clone() for p in reference.parameters()])
+    for p, g0, g1 in zip(model.module.parameters(), *grads):
+        _close(p.grad, (g0 + g1) / 2, "subgroup average", rtol=1e-5, atol=1e-7)
+    return model.comm.world_size
+
+
+def check_ddp_torch_arguments(comm):
+    """torch DDP's constructor arguments: accepted, refused clearly, or checked."""
+    model = collectives.DistributedDataParallel(SmallNet(), None, None, 0, True, True, None,
+                                                25, False, False, False, False)
+    for bad in (dict(mixed_precision=object()), dict(device_mesh=object())):
+        try:
+            collectives.DistributedDataParallel(SmallNet(), **bad)
+            raise AssertionError(f"{bad} was accepted")
+        except NotImplementedError:
+            pass
+    try:
+        collectives.DistributedDataParallel(SmallNet(), device_ids=[0])
+        raise AssertionError("device_ids for a CPU module was accepted")
+    except ValueError:
+        pass
+    return model.broadcast_buffers
+
+
+if __name__ == "__main__":  # under mpirun, on the mpi backend
+    comm = collectives.init(backend="mpi", timeout=60)
+    results = [check_horovod_collectives(comm), check_horovod_join(comm),
+               check_horovod_uneven_parameters(comm)]
+    sys.stdout.write(f"rank {comm.rank} results {results}\n")
+    np.asarray(results)  # numbers, printed for the caller to compare across ranks

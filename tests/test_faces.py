@@ -1,0 +1,112 @@
+"""The faces hold up: a torch DDP script with one import changed, DDP's join() and
+torch's constructor arguments, Horovod's API with Horovod's semantics, and ranks that
+use different parameters (gloo on 2 and 3 spawned ranks; mpi under mpirun)."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import checks_faces as checks
+from collectives.mpi_launcher import find_mpirun
+from collectives.spawn import free_port
+from distributed import run_world, run_world_collecting_errors
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def same_everywhere(results):
+    assert len(set(results)) == 1, f"ranks disagree: {results}"
+    return results[0]
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_horovod_collectives_have_horovods_semantics(world_size):
+    same_everywhere(run_world(checks.check_horovod_collectives, world_size, timeout=180))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_horovod_join_adds_zeros_and_names_the_last_rank(world_size):
+    assert same_everywhere(run_world(checks.check_horovod_join, world_size,
+                                     timeout=100)) == world_size - 1
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_horovod_ranks_using_different_parameters_do_not_hang(world_size):
+    same_everywhere(run_world(checks.check_horovod_uneven_parameters, world_size,
+                              timeout=100))
+
+
+@pytest.mark.timeout(120)
+def test_horovod_optimizer_rules():
+    same_everywhere(run_world(checks.check_horovod_optimizer_rules, 2, timeout=100))
+
+
+@pytest.mark.timeout(240)
+def test_horovod_face_on_the_mpi_backend():
+    out = subprocess.run([find_mpirun()[0], "-np", "3", sys.executable, "checks_faces.py"],
+                         cwd=HERE, capture_output=True, text=True, timeout=220,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = [line.split("results ")[1] for line in out.stdout.splitlines() if "results" in line]
+    assert len(lines) == 3 and len(set(lines)) == 1, out.stdout
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("divide", [True, False])
+def test_ddp_join_with_uneven_inputs_equals_torch_ddp(world_size, divide):
+    same_everywhere(run_world(checks.check_ddp_join_equals_torch, world_size, (divide,),
+                              timeout=100))
+
+
+@pytest.mark.timeout(120)
+def test_ddp_join_can_throw_on_every_rank():
+    for status, message in run_world_collecting_errors(checks.check_ddp_join_throws_early, 3):
+        assert status == "raised" and "ran out of inputs" in message, message
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ddp_ranks_using_different_parameters_fail_clearly_not_hang(world_size):
+    outcomes = run_world_collecting_errors(checks.check_ddp_uneven_parameters_without_flag,
+                                           world_size, timeout=100)
+    # every rank but 0 lacks head_a's gradients (and rank 0 head_b's): each raises,
+    # naming them, after taking part in the round, so nobody waits for anybody
+    for status, message in outcomes:
+        assert status == "raised" and "find_unused_parameters=True" in message, message
+
+
+@pytest.mark.timeout(120)
+def test_ddp_on_a_torch_subgroup():
+    assert run_world(checks.check_ddp_subgroup, 3, timeout=100) == [2, 2, None]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_takes_torch_ddp_arguments():
+    assert run_world(checks.check_ddp_torch_arguments, 2, timeout=100) == [True, True]
+
+
+@pytest.mark.timeout(300)
+def test_torch_ddp_script_with_one_import_changed(tmp_path):
+    """examples/torch_ddp_script.py under torchrun: the script makes its own process
+    group; ours ends with torch DDP's parameters."""
+    saved = {}
+    for face in ("torch", "collectives"):
+        path = tmp_path / f"{face}.pt"
+        out = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                              "--nproc-per-node", "2", "--master-port", str(free_port()),
+                              os.path.join(ROOT, "examples", "torch_ddp_script.py"),
+                              "--face", face, "--save", str(path)],
+                             capture_output=True, text=True, timeout=240,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 0, out.stdout + out.stderr
+        saved[face] = torch.load(path)
+    for name, expected in saved["torch"].items():
+        torch.testing.assert_close(saved["collectives"][name], expected, rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: f"{name}: {m}")
