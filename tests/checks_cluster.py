@@ -44,8 +44,23 @@ def bytes_sent(comm, algorithm: str) -> dict:
     return {"nic": cluster.link_bytes()["sent"] - before, **routes}
 
 
+def pipelined_hierarchy(comm):
+    """The hierarchical all-reduce with its phases pipelined over chunks (made tiny
+    here so that small tensors take that path too)."""
+    from collectives.algorithms import hierarchical
+    saved = hierarchical.PIPELINE_CHUNK_BYTES
+    hierarchical.PIPELINE_CHUNK_BYTES = 64
+    try:
+        return check_all_reduce(comm, ["hierarchical"],
+                                dtypes=[torch.float32, torch.float16, torch.int64])
+    finally:
+        hierarchical.PIPELINE_CHUNK_BYTES = saved
+
+
 def algorithms_case(comm):
     digests = check_all_reduce(comm)  # every algorithm, op, dtype and awkward size
+    digests.update({("pipelined",) + key: value
+                    for key, value in pipelined_hierarchy(comm).items()})
     segments = check_ring_segments(comm)
     sent = {name: bytes_sent(comm, name) for name in ("ring", "naive", "hierarchical")}
     return {"digest": str(sorted(digests.items())) + str(sorted(segments.items())),

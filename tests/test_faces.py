@@ -1,6 +1,7 @@
 """The faces hold up: a torch DDP script with one import changed, DDP's join() and
 torch's constructor arguments, Horovod's API with Horovod's semantics, and ranks that
 use different parameters (gloo on 2 and 3 spawned ranks; mpi under mpirun)."""
+import ast
 import os
 import subprocess
 import sys
@@ -47,14 +48,18 @@ def test_horovod_optimizer_rules():
     same_everywhere(run_world(checks.check_horovod_optimizer_rules, 2, timeout=100))
 
 
-@pytest.mark.timeout(240)
-def test_horovod_face_on_the_mpi_backend():
+@pytest.mark.timeout(300)
+def test_both_faces_on_the_mpi_backend():
+    """The Horovod checks and our DDP's join() under mpirun; join ends where it ends on
+    gloo, bit for bit."""
+    on_gloo = same_everywhere(run_world(checks.ddp_join_digest, 3, timeout=100))
     out = subprocess.run([find_mpirun()[0], "-np", "3", sys.executable, "checks_faces.py"],
                          cwd=HERE, capture_output=True, text=True, timeout=220,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert out.returncode == 0, out.stdout + out.stderr
     lines = [line.split("results ")[1] for line in out.stdout.splitlines() if "results" in line]
     assert len(lines) == 3 and len(set(lines)) == 1, out.stdout
+    assert ast.literal_eval(lines[0])[-1] == on_gloo, (lines[0], on_gloo)
 
 
 @pytest.mark.timeout(120)

@@ -32,9 +32,24 @@ opposite orders.
 Every slice's final value is computed by one cross-host ring and copied within each
 host, so all ranks end bitwise identical. With one host, or one rank per host, there
 is one level only: a ring in host order.
+
+Pipelining. Run one after another, the phases leave the network idle during 1 and 3.
+A big buffer is therefore cut into chunks (PIPELINE_CHUNK_BYTES each, at most
+MAX_CHUNKS) that go through the phases like cars through a car wash: while the network
+carries chunk k across hosts (phase 2, on a thread of its own), the host already
+reduce-scatters chunk k+1 and all-gathers chunk k-1 (phases 1 and 3):
+
+    local thread:    1(c0) 1(c1) 1(c2) 1(c3)      3(c0)      3(c1)      3(c2)      3(c3)
+    network thread:        2(c0)======== 2(c1)======== 2(c2)======== 2(c3)========
+
+The two threads never talk to the same peer (phases 1 and 3 stay inside the host,
+phase 2 only crosses hosts), and phase 2 runs on a duplicate of the communicator, so
+their messages cannot mix. Only the first chunk's phase 1 and the last one's phase 3
+are not hidden behind the network.
 """
 from __future__ import annotations
 
+import threading
 from typing import List
 
 import torch
@@ -50,26 +65,107 @@ def slices_held(local_size: int, slices: int, local_rank: int) -> range:
     return range(local_rank * slices // local_size, (local_rank + 1) * slices // local_size)
 
 
+PIPELINE_CHUNK_BYTES = 4 << 20  # a chunk of the pipeline (see the module's notes)
+MAX_CHUNKS = 8
+
+
 def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
     topology = comm.topology
-    hosts = topology.hosts
-    if len(hosts) == 1 or topology.one_rank_per_host:
+    if len(topology.hosts) == 1 or topology.one_rank_per_host:
         return ring.all_reduce(comm, flat, op)  # one level: the ring visits hosts in order
-    me = comm.rank
-    local = topology.local_ranks(me)
-    slices = max(len(host) for host in hosts)
-    bounds = chunk_bounds(flat.numel(), slices)  # element offsets of the slices
+    host = Group(comm, topology.local_ranks(comm.rank))
+    chunks = min(MAX_CHUNKS, flat.numel() * flat.element_size() // PIPELINE_CHUNK_BYTES)
+    if chunks <= 1:
+        _inside_host(host, flat, op)
+        _across_hosts(comm, flat, op)
+        _gather_inside_host(host, flat)
+        return
+    edges = chunk_bounds(flat.numel(), chunks)
+    _pipelined(comm, host, [flat[edges[i]:edges[i + 1]] for i in range(chunks)], op)
 
-    def element_bounds(host: List[int]) -> List[int]:
-        """Where each local rank's run of slices starts, for a ring over the host."""
-        return [bounds[i * slices // len(host)] for i in range(len(host))] + [flat.numel()]
 
-    host = Group(comm, local)
-    ring.reduce_scatter(host, flat, op, element_bounds(local))          # 1. inside the host
-    for piece in slices_held(len(local), slices, local.index(me)):      # 2. across hosts
+def _slice_bounds(comm: Transport, flat: torch.Tensor) -> List[int]:
+    """Element offsets of the S slices of `flat` (S: the most ranks on any host)."""
+    return chunk_bounds(flat.numel(), max(len(h) for h in comm.topology.hosts))
+
+
+def _element_bounds(host: Transport, bounds: List[int], numel: int) -> List[int]:
+    """Where each local rank's run of slices starts, for a ring over the host."""
+    slices, size = len(bounds) - 1, host.world_size
+    return [bounds[i * slices // size] for i in range(size)] + [numel]
+
+
+def _inside_host(host: Group, flat: torch.Tensor, op: str) -> None:
+    """Phase 1: reduce-scatter among the ranks of this host (shared memory)."""
+    bounds = _slice_bounds(host.parent, flat)
+    ring.reduce_scatter(host, flat, op, _element_bounds(host, bounds, flat.numel()))
+
+
+def _across_hosts(network: Transport, flat: torch.Tensor, op: str) -> None:
+    """Phase 2: all-reduce each slice this rank holds among its holders on every host."""
+    hosts, slices = network.topology.hosts, max(len(h) for h in network.topology.hosts)
+    bounds = _slice_bounds(network, flat)
+    local = network.topology.local_ranks(network.rank)
+    for piece in slices_held(len(local), slices, local.index(network.rank)):
         holders = [_holder(h, piece, slices) for h in hosts]
-        ring.all_reduce(Group(comm, holders), flat[bounds[piece]:bounds[piece + 1]], op)
-    ring.all_gather(host, flat, element_bounds(local))                  # 3. inside the host
+        ring.all_reduce(Group(network, holders), flat[bounds[piece]:bounds[piece + 1]], op)
+
+
+def _gather_inside_host(host: Group, flat: torch.Tensor) -> None:
+    """Phase 3: all-gather among the ranks of this host (shared memory)."""
+    bounds = _slice_bounds(host.parent, flat)
+    ring.all_gather(host, flat, _element_bounds(host, bounds, flat.numel()))
+
+
+def _network_twin(comm: Transport) -> Transport:
+    """A duplicate of `comm` for phase 2 on its own thread (made once, collectively:
+    every rank reaches its first pipelined all-reduce in the same call)."""
+    twin = getattr(comm, "_hierarchical_network", None)
+    if twin is None:
+        twin = comm._hierarchical_network = comm.duplicate()
+    return twin
+
+
+def _pipelined(comm: Transport, host: Group, chunks: List[torch.Tensor], op: str) -> None:
+    """The three phases over chunks, phase 2 on a thread of its own (see the notes)."""
+    network = _network_twin(comm)
+    inside_done = [threading.Event() for _ in chunks]
+    across_done = [threading.Event() for _ in chunks]
+    failures: List[BaseException] = []
+
+    def fail(error: BaseException) -> None:
+        failures.append(error)
+        for event in inside_done + across_done:
+            event.set()  # wake whoever waits: the error is theirs too
+
+    def network_thread() -> None:
+        try:
+            for chunk, ready, done in zip(chunks, inside_done, across_done):
+                ready.wait()
+                if failures:
+                    return
+                _across_hosts(network, chunk, op)
+                done.set()
+        except BaseException as error:
+            fail(error)
+
+    thread = threading.Thread(target=network_thread, name="collectives-hierarchical",
+                              daemon=True)
+    thread.start()
+    try:
+        for chunk, done in zip(chunks, inside_done):
+            _inside_host(host, chunk, op)
+            done.set()
+        for chunk, done in zip(chunks, across_done):
+            done.wait()
+            if failures:
+                raise failures[0]
+            _gather_inside_host(host, chunk)
+    except BaseException as error:
+        if not failures:
+            fail(error)
+        raise
+    thread.join()  # it has finished its last chunk: the last across_done was set
 
 
 def _holder(host: List[int], piece: int, slices: int) -> int:
