@@ -223,6 +223,40 @@ def check_horovod_uneven_parameters(comm, steps=3):
     return float(sum(p.sum() for p in model.parameters()))
 
 
+def check_horovod_join_training(comm):
+    """Uneven inputs with DistributedOptimizer: rank r trains 2 + r steps, then joins.
+    While it waits in join() its zeros stand in for its gradients, so each step's
+    gradient is the active ranks' sum over the whole world (Horovod's rule), and each
+    rank ends where that recipe, replayed in one process, is after its own steps."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    model = SmallNet()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters())
+    for x, y in _uneven_batches(rank, size)[:2 + rank]:
+        optimizer.zero_grad()
+        F.mse_loss(model(x), y).backward()
+        optimizer.step()
+    assert hvd.join() == size - 1
+    reference, states = SmallNet(), []
+    for step in range(2 + size - 1):
+        grads = []
+        for r in range(size):
+            if step < 2 + r:
+                reference.zero_grad()
+                x, y = _batch(r, step)
+                F.mse_loss(reference(x), y).backward()
+                grads.append([p.grad.clone() for p in reference.parameters()])
+        with torch.no_grad():
+            for i, param in enumerate(reference.parameters()):
+                param -= 0.1 * sum(g[i] for g in grads) / size
+        states.append([p.detach().clone() for p in reference.parameters()])
+    for ours, expected in zip(model.parameters(), states[2 + rank - 1]):
+        _close(ours.detach(), expected, f"rank {rank} after its {2 + rank} steps",
+               rtol=1e-5, atol=1e-6)
+    return size - 1
+
+
 def check_horovod_optimizer_rules(comm):
     """DistributedOptimizer's rules: unique names, step() after synchronize() warns,
     broadcast_optimizer_state fills a fresh optimizer's state."""
@@ -354,5 +388,6 @@ def check_ddp_torch_arguments(comm):
 if __name__ == "__main__":  # under mpirun, on the mpi backend
     comm = collectives.init(backend="mpi", timeout=60)
     results = [check_horovod_collectives(comm), check_horovod_join(comm),
-               check_horovod_uneven_parameters(comm), ddp_join_digest(comm)]
+               check_horovod_uneven_parameters(comm), check_horovod_join_training(comm),
+               ddp_join_digest(comm)]
     sys.stdout.write(f"rank {comm.rank} results {results!r}\n")

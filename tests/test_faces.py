@@ -44,6 +44,13 @@ def test_horovod_ranks_using_different_parameters_do_not_hang(world_size):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_horovod_join_with_uneven_inputs_in_training(world_size):
+    assert same_everywhere(run_world(checks.check_horovod_join_training, world_size,
+                                     timeout=100)) == world_size - 1
+
+
+@pytest.mark.timeout(120)
 def test_horovod_optimizer_rules():
     same_everywhere(run_world(checks.check_horovod_optimizer_rules, 2, timeout=100))
 
