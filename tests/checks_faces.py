@@ -283,6 +283,13 @@ def check_horovod_optimizer_rules(comm):
     return float(net.weight.sum())
 
 
+def check_horovod_face(comm):
+    """Every Horovod check above, one after another in one world."""
+    return (check_horovod_collectives(comm), check_horovod_join(comm),
+            check_horovod_uneven_parameters(comm), check_horovod_join_training(comm),
+            check_horovod_optimizer_rules(comm))
+
+
 # --- our DDP ---------------------------------------------------------------------------------
 def _uneven_batches(rank, world_size):
     """Rank r has 3 + r batches (uneven inputs)."""
@@ -329,6 +336,11 @@ def ddp_join_digest(comm):
     return float(sum(p.double().sum() for p in trained.values()))
 
 
+def check_ddp_join_both_ways(comm):
+    """join() equals torch's, dividing by the initial world size and by the ranks left."""
+    return (check_ddp_join_equals_torch(comm, True), check_ddp_join_equals_torch(comm, False))
+
+
 def check_ddp_join_throws_early(comm):
     """join(throw_on_early_termination=True): every rank raises once one runs out."""
     model = collectives.DistributedDataParallel(SmallNet())
@@ -367,6 +379,10 @@ def check_ddp_subgroup(comm):
     return model.comm.world_size
 
 
+def check_ddp_subgroup_and_arguments(comm):
+    return check_ddp_subgroup(comm), check_ddp_torch_arguments(comm)
+
+
 def check_ddp_torch_arguments(comm):
     """torch DDP's constructor arguments: accepted, refused clearly, or checked."""
     model = collectives.DistributedDataParallel(SmallNet(), None, None, 0, True, True, None,
@@ -387,7 +403,5 @@ def check_ddp_torch_arguments(comm):
 
 if __name__ == "__main__":  # under mpirun, on the mpi backend
     comm = collectives.init(backend="mpi", timeout=60)
-    results = [check_horovod_collectives(comm), check_horovod_join(comm),
-               check_horovod_uneven_parameters(comm), check_horovod_join_training(comm),
-               ddp_join_digest(comm)]
+    results = [*check_horovod_face(comm), ddp_join_digest(comm)]
     sys.stdout.write(f"rank {comm.rank} results {results!r}\n")
