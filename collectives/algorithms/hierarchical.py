@@ -66,7 +66,7 @@ def slices_held(local_size: int, slices: int, local_rank: int) -> range:
 
 
 PIPELINE_CHUNK_BYTES = 4 << 20  # a chunk of the pipeline (see the module's notes)
-MAX_CHUNKS = 8
+MAX_CHUNKS = 16
 
 
 def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
