@@ -108,12 +108,16 @@ def allreduce_job(tensors: Sequence[torch.Tensor], op: str, prescale: float,
         for tensor in tensors:
             groups.setdefault(tensor.dtype, []).append(tensor)
         for group in groups.values():
-            flat = torch.cat([t.reshape(-1) for t in group]) if len(group) > 1 else \
-                group[0].reshape(-1).clone()
+            alone = len(group) == 1 and group[0].is_contiguous()
+            # One contiguous tensor is reduced where it lies; a group goes through one
+            # fused copy and back.
+            flat = group[0].view(-1) if alone else torch.cat([t.reshape(-1) for t in group])
             rows = engine().negotiate(Call("allreduce", _shape_probe(group, flat), op,
                                            algorithm=algorithm))
             rows.check()
             _reduce_in_place(flat, op, prescale, postscale, algorithm)
+            if alone:
+                continue
             offset = 0
             for tensor in group:
                 tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
