@@ -1,33 +1,42 @@
-"""Training throughput: torch's DDP and our sync strategies side by side, in one run.
+"""Training throughput: our sync strategies and torch's own DDP and comm hooks side by side.
 
     python -m trainer.bench --nproc 4 --sync allreduce,ddp --model resnet18 \\
-        --batch-size 32 --steps 10 --json bench.jsonl
+        --batch-size 32 --steps 8 --json bench.jsonl
     torchrun --nproc-per-node 4 -m trainer.bench          (or under mpirun: no --nproc)
-    python -m collectives.cluster --hosts 4 --bandwidth 100mbit -- python -m trainer.bench
+    python -m collectives.cluster --hosts 4 --bandwidth 100mbit -- python -m trainer.bench \\
+        --sync allreduce,ddp,bf16,ddp-bf16,powersgd,ddp-powersgd,local-sgd,ddp-localsgd
 
-For each sync ("ddp" is torch.nn.parallel.DistributedDataParallel; any other name is
-one of our strategies inside collectives.DistributedDataParallel) it measures, on
-random 28x28 images with the trainer's model:
+Each --sync is one of our strategies (inside collectives.DistributedDataParallel) or
+one of torch's peers (trainer/torch_peers.py: ddp, ddp-fp16, ddp-bf16, ddp-powersgd,
+ddp-localsgd). On random 28x28 images with the trainer's model it measures:
 
-    step_ms       one full training step (median): forward, backward with
-                  communication, optimizer, and the strategy's hooks
-    mean_step_ms  the mean step, which counts periodic work (local-sgd's averaging)
-    compute_ms    the same step with no communication (inside no_sync())
+    step_ms       the mean training step: forward, backward with communication,
+                  optimizer, and the strategy's moments. A periodic strategy
+                  (local-sgd, ddp-localsgd) is timed over whole periods only, so its
+                  averaging steps are in the mean: `events` counts them
+    compute_ms    the same step with no communication at all (no_sync(), no moments)
+    waited_ms     per step, the time the training thread waited on communication
+                  (trainer/timing.py: backward's tail after the last gradient, plus
+                  the strategy's moments)
     comm_ms       only the communication: every gradient bucket reduced back to back
-                  (ddp and allreduce, which reduce gradients every step)
+                  (ddp and allreduce, whose communication is exactly that)
     hidden_share  how much of comm_ms the overlap hid behind backward:
                   (compute_ms + comm_ms - step_ms) / comm_ms, clipped to [0, 1]
-    images_per_s  world_size x batch size / mean step time
-    nic_mb_per_step   on the emulated cluster: megabytes the busiest host's NIC sent
-                  per training step (headers included)
+    images_per_s  world_size x batch size / step_ms
+    mb_per_step   megabytes this rank sent per step: on the emulated cluster its host's
+                  NIC (headers included, divided by the ranks on the host); elsewhere
+                  our transport's counter, or for torch's rows the kernel's count of
+                  this process's TCP bytes
 
 All variants are built first and timed in alternating rounds, so that slow periods of
-a shared machine hit every variant alike. Times are the slowest rank's.
+a shared machine hit every variant alike. Times are the slowest rank's; bytes the
+busiest rank's.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 
@@ -36,17 +45,17 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import collectives
-from collectives import cluster
 from collectives import sync as sync_registry
+from . import torch_peers
 from .models import ARCHITECTURES, build_model
+from .timing import SentBytes, WaitClock
 
 
-def _slowest(comm, samples):
-    """(median, mean) of the samples, each the slowest rank's."""
-    value = torch.tensor([sorted(samples)[len(samples) // 2], sum(samples) / len(samples)],
-                         dtype=torch.float64)
+def _slowest(comm, values):
+    """Each value maximised over the ranks (the slowest rank's time, the busiest's bytes)."""
+    value = torch.tensor(values, dtype=torch.float64)
     comm.native_all_reduce(value, "max")
-    return value[0].item(), value[1].item()
+    return value.tolist()
 
 
 def _time_once(comm, step) -> float:
@@ -56,17 +65,25 @@ def _time_once(comm, step) -> float:
     return time.perf_counter() - started
 
 
+def aligned_warmup(wanted: int, period: int, warmup_steps: int) -> int:
+    """The fewest untimed steps, at least `wanted`, after which every window of whole
+    periods holds the same number of periodic events (events follow steps
+    warmup_steps + k * period)."""
+    if wanted <= warmup_steps:
+        return warmup_steps
+    return warmup_steps + math.ceil((wanted - warmup_steps) / period) * period
+
+
 class Variant:
-    """One sync's model, optimizer and the three things timed for it."""
+    """One sync's model, optimizer, and what is timed for it."""
 
     def __init__(self, comm, sync_name, args):
         self.name = sync_name
         torch.manual_seed(0)
         self.model = build_model(args.model, 1, 10, 28)
-        if sync_name == "ddp":
-            self.wrapped = torch.nn.parallel.DistributedDataParallel(
-                self.model, bucket_cap_mb=args.bucket_mb)
-            self.strategy = None
+        if torch_peers.is_peer(sync_name):
+            self.strategy = torch_peers.create(sync_name)
+            self.wrapped = self.strategy.wrap(self.model, bucket_cap_mb=args.bucket_mb)
         else:
             self.strategy = sync_registry.create(sync_name, algorithm=args.algorithm)
             self.wrapped = collectives.DistributedDataParallel(
@@ -74,26 +91,36 @@ class Variant:
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.images = torch.randn(args.batch_size, 1, 28, 28)
         self.labels = torch.randint(0, 10, (args.batch_size,))
+        self.clock = WaitClock(self.model)
+        self.sent = SentBytes(comm, torch_peers.is_peer(sync_name))
+        self.period = self.strategy.period
+        self.steps_per_round = math.ceil(args.steps / self.period) * self.period
+        self.warmup = aligned_warmup(args.warmup, self.period, self.strategy.warmup_steps)
         self.steps_done = 0
         self.samples = {"step": [], "compute": [], "comm": []}
-        self.nic_sent = 0  # bytes this host's NIC sent during the timed steps
+        self.sent_bytes = 0.0
+        self.waited = 0.0
         # Overlap is defined for gradient all-reduce every step (ddp and allreduce).
         self.buffers = (_bucket_buffers(self.wrapped, self.model, sync_name)
                         if sync_name in ("ddp", "allreduce") else None)
 
     def train_step(self):  # the trainer's order: backward, after_backward, step, after_step
-        self.optimizer.zero_grad()
-        F.cross_entropy(self.wrapped(self.images), self.labels).backward()
-        if self.strategy is not None:
+        self.clock.backward(F.cross_entropy(self.wrapped(self.images), self.labels))
+        with self.clock.blocking():
             self.strategy.after_backward(self.model)
         self.optimizer.step()
         self.steps_done += 1
-        if self.strategy is not None:
+        with self.clock.blocking():
             self.strategy.after_step(self.model, self.steps_done)
+        self.optimizer.zero_grad()
 
     def compute_only_step(self):
+        """Forward, backward and the optimizer, with no communication and no moments
+        (so a periodic strategy's step count is untouched)."""
         with self.wrapped.no_sync():
-            self.train_step()
+            F.cross_entropy(self.wrapped(self.images), self.labels).backward()
+        self.optimizer.step()
+        self.optimizer.zero_grad()
 
     def comm_only(self):
         for flat in self.buffers:
@@ -102,34 +129,34 @@ class Variant:
             else:
                 self.wrapped.sync.reduce_bucket(flat)
 
-    def round(self, comm, steps):
-        before = cluster.link_bytes()
-        for _ in range(steps):
+    def round(self, comm):
+        sent_before = self.sent.read()
+        self.clock.reset()
+        for _ in range(self.steps_per_round):
             self.samples["step"].append(_time_once(comm, self.train_step))
-        if before is not None:
-            self.nic_sent += cluster.link_bytes()["sent"] - before["sent"]
+        self.sent_bytes += self.sent.read() - sent_before
+        self.waited += self.clock.waited
         self.samples["compute"].append(_time_once(comm, self.compute_only_step))
         if self.buffers is not None:
             self.samples["comm"].append(_time_once(comm, self.comm_only))
 
     def row(self, comm, args):
-        step, mean_step = _slowest(comm, self.samples["step"])
-        compute, _ = _slowest(comm, self.samples["compute"])
+        steps = len(self.samples["step"])
+        mean = lambda values: sum(values) / len(values)  # noqa: E731
+        step, compute, waited, sent = _slowest(comm, [
+            mean(self.samples["step"]), mean(self.samples["compute"]), self.waited / steps,
+            self.sent_bytes / steps])
+        events = steps // self.period
         row = dict(sync=self.name, world_size=comm.world_size, model=args.model,
-                   batch_size=args.batch_size,
-                   images_per_s=comm.world_size * args.batch_size / mean_step,
-                   step_ms=step * 1e3, mean_step_ms=mean_step * 1e3, compute_ms=compute * 1e3,
-                   comm_ms=None, hidden_share=None, nic_mb_per_step=None)
-        if cluster.link_bytes() is not None:
-            sent = torch.tensor([self.nic_sent / len(self.samples["step"])], dtype=torch.float64)
-            comm.native_all_reduce(sent, "max")
-            row["nic_mb_per_step"] = sent.item() / 1e6
+                   batch_size=args.batch_size, images_per_s=comm.world_size * args.batch_size / step,
+                   step_ms=step * 1e3, compute_ms=compute * 1e3, waited_ms=waited * 1e3,
+                   comm_ms=None, hidden_share=None, mb_per_step=sent / 1e6,
+                   steps=steps, events=events)
         if self.buffers is not None:
-            communication, _ = _slowest(comm, self.samples["comm"])
+            (communication,) = _slowest(comm, [mean(self.samples["comm"])])
             hidden = (compute + communication - step) / communication
             row.update(comm_ms=communication * 1e3, hidden_share=min(1.0, max(0.0, hidden)))
-        if self.strategy is not None:
-            self.strategy.close()  # background rounds (async-avg, delayed) end together
+        self.strategy.close()  # background rounds (async-avg, delayed) end together
         return row
 
 
@@ -148,26 +175,27 @@ def rank_main(args):
     rows = []
     if comm.rank == 0:
         print(f"# trainer.bench: {args.model}, {comm.world_size} ranks, batch {args.batch_size} "
-              f"per rank, {args.rounds} rounds of {args.steps} timed steps each, alternating")
-        print(f"{'sync':>12} {'img/s':>8} {'step ms':>9} {'mean ms':>9} {'compute ms':>11} "
-              f"{'comm ms':>9} {'hidden':>7} {'nic MB/step':>12}")
+              f"per rank, {args.rounds} rounds of {args.steps} timed steps each (whole "
+              "periods for periodic strategies), alternating")
+        print(f"{'sync':>13} {'img/s':>7} {'step ms':>8} {'compute ms':>10} {'waited ms':>9} "
+              f"{'comm ms':>8} {'hidden':>6} {'MB/step':>8} {'steps':>5} {'events':>6}")
     variants = [Variant(comm, name, args) for name in args.sync]
     for variant in variants:  # warm up: allocations, connections, bucket rebuilds
-        for _ in range(args.warmup):
+        for _ in range(variant.warmup):
             variant.train_step()
     for _ in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
         for variant in variants:
-            variant.round(comm, args.steps)
+            variant.round(comm)
     for variant in variants:
         row = variant.row(comm, args)
         rows.append(row)
         if comm.rank == 0:
-            comm_ms = "-" if row["comm_ms"] is None else f"{row['comm_ms']:.1f}"
+            comm_ms = "-" if row["comm_ms"] is None else f"{row['comm_ms']:.0f}"
             hidden = "-" if row["hidden_share"] is None else f"{row['hidden_share']:.0%}"
-            nic = "-" if row["nic_mb_per_step"] is None else f"{row['nic_mb_per_step']:.1f}"
-            print(f"{row['sync']:>12} {row['images_per_s']:>8.1f} {row['step_ms']:>9.1f} "
-                  f"{row['mean_step_ms']:>9.1f} {row['compute_ms']:>11.1f} {comm_ms:>9} "
-                  f"{hidden:>7} {nic:>12}", flush=True)
+            print(f"{row['sync']:>13} {row['images_per_s']:>7.1f} {row['step_ms']:>8.0f} "
+                  f"{row['compute_ms']:>10.0f} {row['waited_ms']:>9.0f} {comm_ms:>8} "
+                  f"{hidden:>6} {row['mb_per_step']:>8.2f} {row['steps']:>5} "
+                  f"{row['events']:>6}", flush=True)
     if comm.rank == 0 and args.json:
         with open(args.json, "w") as out:
             for row in rows:
@@ -182,7 +210,8 @@ def main(argv=None):
     p.add_argument("--nproc", type=int, default=2,
                    help="ranks to spawn (default 2; ignored under a launcher)")
     p.add_argument("--sync", type=lambda s: s.split(","), default=["allreduce", "ddp"],
-                   help="comma list: ddp (torch's) and names of our strategies")
+                   help="comma list of our strategies and torch's peers "
+                        f"({', '.join(torch_peers.NAMES)}); default allreduce,ddp")
     p.add_argument("--model", default="resnet18", choices=ARCHITECTURES)
     p.add_argument("--batch-size", type=int, default=32, help="images per rank (default 32)")
     p.add_argument("--steps", type=int, default=3,
@@ -194,9 +223,10 @@ def main(argv=None):
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
     args = p.parse_args(argv)
+    known = sync_registry.available() + torch_peers.NAMES
     for name in args.sync:
-        if name != "ddp" and name not in sync_registry.available():
-            p.error(f"unknown sync {name!r}: choose from ddp, {', '.join(sync_registry.available())}")
+        if name not in known:
+            p.error(f"unknown sync {name!r}: choose from {', '.join(known)}")
     if args.nproc < 2 or min(args.steps, args.rounds, args.batch_size) < 1:
         p.error("--nproc must be at least 2; --steps, --rounds and --batch-size at least 1")
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from collectives import algorithms, sync
+from . import torch_peers
 from .models import ARCHITECTURES
 
 DESCRIPTION = """\
@@ -21,7 +22,9 @@ rising. It runs the same way under every launcher, or as one plain process:
 
 EPILOG = """\
 Every epoch, rank 0 prints one line: train loss, test accuracy, images/s (all ranks
-together), the share of time spent communicating, and the bytes this rank sent.
+together), the share of time the communication threads were busy, the share the
+training thread waited on communication, and the MiB this rank sent per step (on the
+emulated cluster: its host's NIC, divided by the ranks on that host).
 --metrics FILE appends the same as JSON lines; --checkpoint-dir keeps a checkpoint of
 the latest epoch (written atomically) that --resume continues from exactly.
 """
@@ -106,14 +109,20 @@ def build_parser() -> argparse.ArgumentParser:
     optim.add_argument("--accum-steps", type=positive_int, default=1,
                        help="micro-batches per optimizer step, synchronised only on the last "
                             "(default: 1)")
+    optim.add_argument("--stop-at", type=positive_float, metavar="ACC",
+                       help="end training after the first epoch whose test accuracy reaches "
+                            "ACC (e.g. 0.95); the schedule still spans --epochs")
     optim.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     optim.add_argument("--skip-nonfinite", action="store_true",
                        help="when any rank's gradients hold inf or NaN, skip that step on every "
                             "rank together (with a warning) instead of applying it")
 
     comm = p.add_argument_group("communication")
-    comm.add_argument("--sync", default="allreduce", choices=sync.available(),
-                      help="sync strategy (default: allreduce, what DDP does)")
+    comm.add_argument("--sync", default="allreduce",
+                      choices=sync.available() + torch_peers.NAMES,
+                      help="sync strategy (default: allreduce, what DDP does); ddp, "
+                           "ddp-fp16, ddp-bf16, ddp-powersgd, ddp-localsgd are torch's own "
+                           "DDP and comm hooks, for comparison")
     comm.add_argument("--sync-option", action="append", default=[], metavar="KEY=VALUE",
                       type=sync_option,
                       help="an option for the sync strategy, repeatable: e.g. period=8 "
@@ -151,7 +160,17 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--dataset {args.dataset} needs --data-dir (the folder holding it)")
     args.sync_options = dict(args.sync_option)
     try:  # a strategy rejects unknown or bad options before anything runs
-        sync.create(args.sync, algorithm=args.algorithm, **args.sync_options)
+        create_sync(args)
     except (TypeError, ValueError) as error:
         parser.error(f"--sync {args.sync} --sync-option: {error}")
+    if torch_peers.is_peer(args.sync) and args.backend == "mpi":
+        parser.error(f"--sync {args.sync} is torch's DDP: it runs on torch.distributed "
+                     "(--backend gloo or nccl), not on --backend mpi")
     return args
+
+
+def create_sync(args: argparse.Namespace):
+    """The strategy --sync names: one of ours, or a torch peer (torch's DDP and hook)."""
+    if torch_peers.is_peer(args.sync):
+        return torch_peers.create(args.sync, **args.sync_options)
+    return sync.create(args.sync, algorithm=args.algorithm, **args.sync_options)

@@ -1,18 +1,28 @@
-"""Train with several sync strategies for the same budget and compare them.
+"""Train with several sync strategies, ours and torch's, and compare them.
 
     python -m trainer.compare --dataset mnist --data-dir ../shared/data --nproc 4 \\
-        --sync allreduce,local-sgd:period=8,async-avg,delayed,gossip,bf16,topk,powersgd \\
-        --epochs 2 --out docs/compare
+        --sync allreduce,ddp,local-sgd:period=8,ddp-localsgd:period=8,bf16,ddp-bf16 \\
+        --epochs 4 --stop-at 0.95 --out docs/compare
+    python -m trainer.compare --hosts 4 --bandwidth 100mbit ...   (the emulated cluster)
+    python -m trainer.compare --launcher torchrun --nproc 2 ...
 
-Each strategy runs as its own job (`mpirun -np N python -m trainer ... --sync NAME`,
-with the mpirun that matches mpi4py), with every other trainer flag the same. A
+Each strategy runs as its own job, started by --launcher: `mpirun -np N python -m
+trainer ... --sync NAME` (the mpirun that matches mpi4py; the default), torchrun, or
+the emulated cluster (`python -m collectives.cluster --hosts H --ranks-per-host L
+--bandwidth RATE -- python -m trainer ...`; --hosts alone picks it), with every other
+trainer flag the same. The names are our strategies and torch's peers (ddp,
+ddp-fp16, ddp-bf16, ddp-powersgd, ddp-localsgd: trainer/torch_peers.py). A
 strategy's options follow its name after a colon: `local-sgd:period=8:warmup_steps=10`.
-Flags this command does not know are passed to the trainer unchanged.
+Flags this command does not know are passed to the trainer unchanged (--stop-at ACC
+ends each job at the first epoch that reaches ACC).
 
-Writes OUT.md (the table) and OUT.png (test accuracy against wall time and against
-bytes sent per rank), and prints the table:
+Time is training time: the sum of the epochs' training loops, without evaluation and
+start-up. Bytes are what each rank sent (on the emulated cluster: its host's NIC).
+Writes OUT.md (the table) and OUT.png (test accuracy against training time and
+against MiB sent per rank), and prints the table:
 
-    sync | final test acc | wall time (s) | sent per rank (MiB) | time to target (s)
+    sync | final test acc | time to target (s) | training time (s) | epochs | images/s |
+    MiB sent per rank per step | wall time (s)
 """
 from __future__ import annotations
 
@@ -27,6 +37,8 @@ from typing import Dict, List
 
 from collectives.mpi_launcher import mpirun_command
 
+from . import torch_peers
+
 
 def parse_sync(entry: str):
     """'local-sgd:period=8' -> ('local-sgd', ['--sync-option', 'period=8'])."""
@@ -37,45 +49,64 @@ def parse_sync(entry: str):
     return name, flags
 
 
-def run_one(entry: str, nproc: int, trainer_flags: List[str], folder: str) -> Dict:
+def launch_command(args, trainer_argv: List[str]):
+    """(argv, env) that start `python -m trainer TRAINER_ARGV` on every rank."""
+    if args.launcher == "mpirun":
+        return mpirun_command(args.nproc, [sys.executable, "-m", "trainer", *trainer_argv])
+    if args.launcher == "torchrun":
+        return ([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                 str(args.nproc), "-m", "trainer", *trainer_argv], dict(os.environ))
+    cluster = [sys.executable, "-m", "collectives.cluster", "--hosts", str(args.hosts),
+               "--ranks-per-host", str(args.ranks_per_host)]
+    if args.bandwidth:
+        cluster += ["--bandwidth", args.bandwidth]
+    return [*cluster, "--", sys.executable, "-m", "trainer", *trainer_argv], dict(os.environ)
+
+
+def run_one(entry: str, args, trainer_flags: List[str], folder: str) -> Dict:
     name, option_flags = parse_sync(entry)
     metrics = os.path.join(folder, f"{entry.replace(':', '_')}.jsonl")
-    command = [sys.executable, "-m", "trainer", "--sync", name, *option_flags,
-               "--metrics", metrics, *trainer_flags]
-    argv, env = mpirun_command(nproc, command)
+    argv, env = launch_command(args, ["--sync", name, *option_flags, "--metrics", metrics,
+                                      *trainer_flags])
     started = time.perf_counter()
     result = subprocess.run(argv, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
     if result.returncode != 0:
-        raise RuntimeError(f"{entry} failed:\n{result.stderr[-2000:]}")
+        raise RuntimeError(f"{entry} failed ({' '.join(argv)}):\n{result.stderr[-2000:]}")
     with open(metrics) as lines:
         epochs = [json.loads(line) for line in lines]
     return {"sync": entry, "epochs": epochs, "wall_s": wall}
 
 
 def summarize(run: Dict, target: float) -> Dict:
-    seconds = bytes_sent = 0.0
+    """Cumulative training time, bytes and images after each epoch; time to target."""
+    seconds = bytes_sent = images = steps = 0.0
     reached = None
     curve = []
     for record in run["epochs"]:
-        seconds += record["seconds"]
+        seconds += record["train_seconds"]
         bytes_sent += record["comm_bytes"]
+        images += record["images_per_s"] * record["train_seconds"]
+        steps += record["steps"]
         curve.append((seconds, bytes_sent / 2**20, record["test_acc"]))
         if reached is None and record["test_acc"] >= target:
             reached = seconds
     return {"sync": run["sync"], "final_acc": run["epochs"][-1]["test_acc"],
-            "wall_s": run["wall_s"], "train_s": seconds, "mib_sent": bytes_sent / 2**20,
+            "wall_s": run["wall_s"], "train_s": seconds, "images_per_s": images / seconds,
+            "mib_per_step": bytes_sent / 2**20 / max(steps, 1), "epochs": len(run["epochs"]),
             "time_to_target_s": reached, "curve": curve}
 
 
 def table(rows: List[Dict], target: float) -> str:
-    lines = [f"| sync | final test acc | wall time (s) | training time (s) | sent per rank (MiB) "
-             f"| time to {target:.0%} (s) |", "|---|---|---|---|---|---|"]
+    lines = [f"| sync | final test acc | time to {target:.0%} (s) | training time (s) | epochs "
+             "| images/s | MiB sent per rank per step | wall time (s) |",
+             "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         reached = (f"{row['time_to_target_s']:.0f}" if row["time_to_target_s"] is not None
                    else "not reached")
-        lines.append(f"| {row['sync']} | {row['final_acc']:.2%} | {row['wall_s']:.0f} | "
-                     f"{row['train_s']:.0f} | {row['mib_sent']:.0f} | {reached} |")
+        lines.append(f"| {row['sync']} | {row['final_acc']:.2%} | {reached} | "
+                     f"{row['train_s']:.0f} | {row['epochs']} | {row['images_per_s']:.1f} | "
+                     f"{row['mib_per_step']:.2f} | {row['wall_s']:.0f} |")
     return "\n".join(lines)
 
 
@@ -104,7 +135,15 @@ def main(argv=None) -> int:
                                      description=__doc__.split("\n\n")[0],
                                      epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--nproc", type=int, default=4, help="ranks per job (default 4)")
+    parser.add_argument("--nproc", type=int, default=4,
+                        help="ranks per job (default 4; on the cluster: hosts x ranks per host)")
+    parser.add_argument("--launcher", choices=["mpirun", "torchrun", "cluster"],
+                        help="how each job starts (default mpirun; cluster when --hosts is given)")
+    parser.add_argument("--hosts", type=int, help="emulated hosts (collectives.cluster)")
+    parser.add_argument("--ranks-per-host", type=int, default=1,
+                        help="ranks on each emulated host (default 1)")
+    parser.add_argument("--bandwidth", metavar="RATE",
+                        help="each emulated link's rate, e.g. 100mbit (default unshaped)")
     parser.add_argument("--sync", required=True,
                         help="comma list of strategies, each NAME[:KEY=VALUE...]")
     parser.add_argument("--target", type=float, default=0.95,
@@ -112,18 +151,25 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="compare", help="writes OUT.md and OUT.png")
     args, trainer_flags = parser.parse_known_args(argv)
     from collectives import sync
+    known = sync.available() + torch_peers.NAMES
     entries = args.sync.split(",")
     for entry in entries:
-        if parse_sync(entry)[0] not in sync.available():
-            parser.error(f"unknown sync {parse_sync(entry)[0]!r}: choose from "
-                         f"{', '.join(sync.available())}")
+        if parse_sync(entry)[0] not in known:
+            parser.error(f"unknown sync {parse_sync(entry)[0]!r}: choose from {', '.join(known)}")
+    args.launcher = args.launcher or ("cluster" if args.hosts else "mpirun")
+    if args.launcher == "cluster":
+        if not args.hosts or args.hosts < 1 or args.ranks_per_host < 1:
+            parser.error("--launcher cluster needs --hosts N (and --ranks-per-host at least 1)")
+        args.nproc = args.hosts * args.ranks_per_host
+    elif args.hosts or args.bandwidth:
+        parser.error(f"--hosts and --bandwidth are for the emulated cluster, not {args.launcher}")
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")
     rows = []
     with tempfile.TemporaryDirectory() as folder:
         for entry in entries:
             print(f"training with {entry} ...", flush=True)
-            rows.append(summarize(run_one(entry, args.nproc, trainer_flags, folder), args.target))
+            rows.append(summarize(run_one(entry, args, trainer_flags, folder), args.target))
             print(table(rows[-1:], args.target).splitlines()[-1], flush=True)
     text = table(rows, args.target)
     command = "python -m trainer.compare " + " ".join(argv if argv is not None else sys.argv[1:])

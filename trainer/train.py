@@ -21,10 +21,10 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 import collectives
-from collectives import sync
-from . import checkpoint, data
-from .cli import parse_args
+from . import checkpoint, data, torch_peers
+from .cli import create_sync, parse_args
 from .models import build_model
+from .timing import SentBytes, WaitClock
 
 
 def fail(message: str) -> None:
@@ -66,7 +66,8 @@ def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, am
 
 def background_comm_seconds(ddp, strategy) -> float:
     """Seconds the communication threads (the bucketer's, a strategy's) have been busy."""
-    workers = [getattr(ddp.bucketer, "worker", None), getattr(strategy, "worker", None)]
+    workers = [getattr(getattr(ddp, "bucketer", None), "worker", None),
+               getattr(strategy, "worker", None)]
     return sum(worker.busy_seconds for worker in workers if worker is not None)
 
 
@@ -97,9 +98,18 @@ def train(argv=None) -> None:
     seed_everything(args.seed)
 
     model = build_model(args.arch, split.channels, split.num_classes, split.image_size).to(device)
-    strategy = sync.create(args.sync, algorithm=args.algorithm, **args.sync_options)
-    ddp = collectives.DistributedDataParallel(model, sync=strategy, bucket_cap_mb=args.bucket_mb,
-                                              comm=comm)
+    strategy = create_sync(args)
+    torch_peer = torch_peers.is_peer(args.sync)
+    if torch_peer:
+        try:
+            ddp = strategy.wrap(model, bucket_cap_mb=args.bucket_mb)
+        except RuntimeError as error:
+            fail(str(error))
+    else:
+        ddp = collectives.DistributedDataParallel(model, sync=strategy,
+                                                  bucket_cap_mb=args.bucket_mb, comm=comm)
+    clock = WaitClock(model)
+    sent = SentBytes(comm, torch_peer)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
@@ -141,9 +151,9 @@ def train(argv=None) -> None:
     accuracy = 0.0
     for epoch in range(start_epoch, args.epochs + 1):
         sampler.set_epoch(epoch)
-        sent_before = comm.traffic.bytes_sent
+        sent_before, steps_before = sent.read(), step
         busy_before = background_comm_seconds(ddp, strategy)
-        blocked = 0.0  # seconds the training thread spent inside strategy hooks
+        clock.reset()  # seconds the training thread waits on communication, from here
         epoch_started = time.perf_counter()
         losses = []
         batches = tqdm(loader, desc=f"epoch {epoch}/{args.epochs}", disable=rank != 0,
@@ -157,12 +167,11 @@ def train(argv=None) -> None:
             with (contextlib.nullcontext() if last_micro else ddp.no_sync()):
                 with autocast(device, args.amp):
                     loss = F.cross_entropy(ddp(images), labels) / args.accum_steps
-                scaler.scale(loss).backward()
+                clock.backward(scaler.scale(loss))
             losses.append(loss.item() * args.accum_steps)
             if last_micro:
-                hook_started = time.perf_counter()
-                strategy.after_backward(model)
-                blocked += time.perf_counter() - hook_started
+                with clock.blocking():
+                    strategy.after_backward(model)
                 if args.skip_nonfinite and not collectives.all_finite(
                         [p.grad for p in model.parameters()], comm):
                     say(f"warning: step {step + 1}: non-finite gradients on some rank; "
@@ -174,27 +183,33 @@ def train(argv=None) -> None:
                 scaler.step(optimizer)
                 scaler.update()
                 schedule.step()
-                optimizer.zero_grad(set_to_none=True)
                 step += 1
-                hook_started = time.perf_counter()
-                strategy.after_step(model, step)
-                blocked += time.perf_counter() - hook_started
+                with clock.blocking():  # torch's model averager wants the grads still set
+                    strategy.after_step(model, step)
+                optimizer.zero_grad(set_to_none=True)
                 if rank == 0:
                     batches.set_postfix(loss=f"{losses[-1]:.3f}")
         train_seconds = time.perf_counter() - epoch_started
+        sent_bytes, steps = sent.read() - sent_before, max(step - steps_before, 1)
+        busy = background_comm_seconds(ddp, strategy) - busy_before
         accuracy, _ = evaluate(model, split.test, comm, device, args.batch_size, args.amp)
         train_loss = torch.tensor([float(np.mean(losses))], dtype=torch.float64)
         collectives.all_reduce(train_loss, op="avg", algorithm="auto", comm=comm, check=False)
-        busy = background_comm_seconds(ddp, strategy) - busy_before + blocked
         record = {"epoch": epoch, "train_loss": train_loss.item(), "test_acc": accuracy,
                   "images_per_s": len(losses) * args.batch_size * world / train_seconds,
-                  "comm_bytes": comm.traffic.bytes_sent - sent_before,
-                  "comm_share": busy / train_seconds,
+                  "comm_bytes": sent_bytes, "bytes_per_step": sent_bytes / steps,
+                  "steps": step - steps_before,
+                  # busy: our comm threads and hooks (torch's threads are not visible)
+                  "comm_share": None if torch_peer else (busy + clock.in_hooks) / train_seconds,
+                  "waited_share": clock.waited / train_seconds,
+                  "train_seconds": train_seconds,
                   "seconds": time.perf_counter() - epoch_started}
+        busy_text = "-" if torch_peer else f"{record['comm_share']:.0%}"
         say(f"epoch {epoch}/{args.epochs}: train loss {record['train_loss']:.4f}  "
-            f"test acc {accuracy:.2%}  {record['images_per_s']:.0f} img/s  "
-            f"comm {record['comm_share']:.0%} of time, {record['comm_bytes'] / 2**20:.1f} MiB "
-            f"sent  ({record['seconds']:.1f} s)", flush=True)
+            f"test acc {accuracy:.2%}  {record['images_per_s']:.0f} img/s  comm busy "
+            f"{busy_text}, waited {record['waited_share']:.0%} of time, "
+            f"{record['bytes_per_step'] / 2**20:.2f} MiB/step sent  ({record['seconds']:.1f} s)",
+            flush=True)
         if rank == 0:
             if args.metrics:
                 with open(args.metrics, "a") as out:
@@ -208,6 +223,9 @@ def train(argv=None) -> None:
                      "rng": checkpoint.rng_state(), "args": vars(args)},
                     os.path.join(args.checkpoint_dir, "checkpoint.pt"))
         comm.barrier()
+        if args.stop_at is not None and accuracy >= args.stop_at:
+            say(f"test accuracy {accuracy:.2%} reached --stop-at {args.stop_at:.2%}: stopping")
+            break  # every rank sees the same all-reduced accuracy, so all stop together
     strategy.close()
     say(f"done in {time.perf_counter() - started:.1f} s: test accuracy {accuracy:.2%}")
     collectives.destroy()

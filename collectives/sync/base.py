@@ -12,9 +12,12 @@ is one small class that acts at some of them:
 
 `uses_buckets` says whether gradients should be bucketed and reduced during backward at
 all (local SGD, for example, trains locally and averages parameters in after_step).
-`forward_buffer_sync` says whether rank 0's buffers (BatchNorm statistics) are
-broadcast before every forward, as DDP does; strategies that average buffers
-themselves, or must not wait for other ranks every step, turn it off.
+`period` and `warmup_steps` say when a periodic strategy communicates: after steps
+warmup_steps + period, + 2 period, ... (1 and 0 for those that communicate every
+step); benchmarks time whole periods with them. `forward_buffer_sync` says whether
+rank 0's buffers (BatchNorm statistics) are broadcast before every forward, as DDP
+does; strategies that average buffers themselves, or must not wait for other ranks
+every step, turn it off.
 
 The training loop calls the moments in this order, every optimizer step:
     forward, backward (reduce_bucket for each bucket), after_backward, optimizer.step(),
@@ -38,6 +41,8 @@ class SyncStrategy:
     name = "none"
     uses_buckets = True
     forward_buffer_sync = True
+    period = 1
+    warmup_steps = 0
 
     def setup(self, model: torch.nn.Module, comm: Transport) -> None:
         """Called once, after parameters have been broadcast from rank 0."""

@@ -1,0 +1,70 @@
+"""Per-rank checks: torch's peers (trainer/torch_peers.py) beside our strategies.
+
+Run on spawned gloo ranks by test_study.py. Where the math is the same, ours and
+torch's must end with the same parameters.
+"""
+import torch
+import torch.nn.functional as F
+
+from checks_sync import mlp, shard, train_mlp
+from trainer import torch_peers
+
+
+def train_peer(comm, name, steps=5, lr=0.1, fixed_batch=False, **options):
+    """Train the checks' MLP with a torch peer, in the trainer's order; return the state
+    and the losses."""
+    peer = torch_peers.create(name, **options)
+    module = mlp()
+    model = peer.wrap(module)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for step in range(1, steps + 1):
+        x, y = shard(comm, 0 if fixed_batch else step)
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        losses.append(loss.item())
+        peer.after_backward(module)
+        optimizer.step()
+        peer.after_step(module, step)
+    peer.close()
+    return {k: v.clone() for k, v in module.state_dict().items()}, losses
+
+
+def every_peer_learns(comm):
+    """Each peer, 10 steps on one batch per rank: the loss averaged over the ranks falls.
+    Returns {name: (first, last)}."""
+    losses = {}
+    for name in torch_peers.NAMES:
+        options = {"period": 2} if name == "ddp-localsgd" else {}
+        _, trace = train_peer(comm, name, steps=10, fixed_batch=True, **options)
+        ends = torch.tensor([trace[0], trace[-1]], dtype=torch.float64)
+        torch.distributed.all_reduce(ends)
+        losses[name] = tuple((ends / comm.world_size).tolist())
+    return losses
+
+
+def ours_equal_torch_where_the_math_is_the_same(comm):
+    """allreduce == ddp, local-sgd == ddp-localsgd after whole periods (plain SGD, float64);
+    fp16 == ddp-fp16 to fp16 rounding. Returns the largest differences."""
+    differences = {}
+    pairs = [("allreduce", "ddp", {}, {}),
+             ("local-sgd", "ddp-localsgd", {"period": 3}, {"period": 3}),
+             ("local-sgd", "ddp-localsgd", {"period": 2, "warmup_steps": 2},
+              {"period": 2, "warmup_steps": 2}),
+             ("fp16", "ddp-fp16", {}, {})]
+    for ours_name, peer_name, ours_options, peer_options in pairs:
+        steps = 6  # whole periods for every pair above
+        ours = train_mlp(comm, ours_name, steps=steps, **ours_options)
+        theirs, _ = train_peer(comm, peer_name, steps=steps, **peer_options)
+        largest = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+        key = f"{ours_name}{ours_options} vs {peer_name}"
+        differences[key] = largest
+    # Local SGD without averaging at the end would leave the ranks apart: check they agree.
+    replicas = train_peer(comm, "ddp-localsgd", steps=6, period=3)[0]
+    digest = torch.cat([v.flatten() for v in replicas.values()])
+    gathered = [torch.empty_like(digest) for _ in range(comm.world_size)]
+    torch.distributed.all_gather(gathered, digest)
+    differences["ddp-localsgd replicas after a period"] = max(
+        (g - digest).abs().max().item() for g in gathered)
+    return differences

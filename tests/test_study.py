@@ -1,0 +1,78 @@
+"""The comparison study's tools: torch's peers, honest periodic timing, the launchers."""
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from checks_peers import every_peer_learns, ours_equal_torch_where_the_math_is_the_same
+from distributed import run_world
+from trainer import compare
+from trainer.bench import aligned_warmup
+
+
+@pytest.mark.timeout(150)
+def test_every_torch_peer_trains():
+    losses = run_world(every_peer_learns, 2, timeout=120)[0]
+    assert set(losses) == {"ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "ddp-localsgd"}
+    for name, (first, last) in losses.items():
+        assert last < 0.95 * first, (name, first, last)
+
+
+@pytest.mark.timeout(150)
+def test_ours_and_torchs_compute_the_same_where_the_math_is_the_same():
+    differences = run_world(ours_equal_torch_where_the_math_is_the_same, 2, timeout=120)[0]
+    for pair, difference in differences.items():
+        if pair.startswith("fp16"):  # torch divides in 16 bits, we in 64 then cast
+            assert difference < 1e-4, (pair, difference)
+        else:
+            assert difference == 0.0, (pair, difference)
+
+
+def test_warmup_is_aligned_to_whole_periods():
+    assert aligned_warmup(2, 1, 0) == 2
+    assert aligned_warmup(2, 8, 0) == 8    # events after steps 8, 16, ...: time from 8 on
+    assert aligned_warmup(9, 8, 0) == 16
+    assert aligned_warmup(1, 4, 10) == 10  # after a 10-step synchronous warm-up
+    assert aligned_warmup(11, 4, 10) == 14
+
+
+@pytest.mark.timeout(240)
+def test_bench_times_local_sgd_over_whole_periods_with_its_averaging(tmp_path):
+    """2 timed steps asked for: a period-8 strategy is timed over 8, and the bytes show
+    that its one averaging round fell inside the window (ours and torch's)."""
+    out = tmp_path / "bench.jsonl"
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync",
+         "local-sgd,ddp-localsgd", "--batch-size", "2", "--steps", "2", "--rounds", "1",
+         "--warmup", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=220)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = {row["sync"]: row for row in map(json.loads, out.read_text().splitlines())}
+    resnet18_mb = 11.2e6 * 4 / 1e6  # parameters; 2 ranks: a ring sends one model's bytes
+    for name in ("local-sgd", "ddp-localsgd"):
+        assert rows[name]["steps"] == 8 and rows[name]["events"] == 1, rows[name]
+        assert 0.7 * resnet18_mb / 8 < rows[name]["mb_per_step"] < 1.5 * resnet18_mb / 8, \
+            rows[name]
+        assert rows[name]["waited_ms"] > 0
+
+
+def test_compare_starts_each_job_with_the_chosen_launcher():
+    base = dict(nproc=4, hosts=None, ranks_per_host=1, bandwidth=None)
+    argv, _ = compare.launch_command(argparse.Namespace(launcher="torchrun", **base),
+                                     ["--sync", "ddp"])
+    assert argv[1:6] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "-m"]
+    assert argv[-3:] == ["trainer", "--sync", "ddp"]
+    argv, _ = compare.launch_command(
+        argparse.Namespace(launcher="cluster", **dict(base, hosts=2, ranks_per_host=2,
+                                                      bandwidth="100mbit")), ["--sync", "ddp"])
+    assert argv[1:10] == ["-m", "collectives.cluster", "--hosts", "2", "--ranks-per-host", "2",
+                          "--bandwidth", "100mbit", "--"]
+    argv, _ = compare.launch_command(argparse.Namespace(launcher="mpirun", **base), ["--sync",
+                                                                                    "ddp"])
+    assert "-np" in argv and argv[argv.index("-np") + 1] == "4"
+    with pytest.raises(SystemExit):
+        compare.main(["--sync", "allreduce", "--hosts", "2", "--launcher", "torchrun"])
+    with pytest.raises(SystemExit):
+        compare.main(["--sync", "no-such-sync"])

@@ -1,0 +1,116 @@
+"""Measuring a training step's communication the same way for our DDP and torch's.
+
+Two figures the trainer and trainer.bench report for every sync, ours or torch's:
+
+waited: seconds the training thread could not compute because of communication. In
+    backward it is the tail: from the moment the last gradient is ready (a hook on
+    every parameter) to the moment backward() returns, which is when every bucket has
+    been reduced (DDP and ours both wait there); a no_sync() backward has almost no
+    tail. Outside backward it is the time spent in the strategy's after_backward and
+    after_step moments (PowerSGD's reductions, local SGD's model averaging).
+
+bytes sent: our transports count what they send (`comm.traffic`); torch's
+    collectives are invisible to them, so for those the kernel's own count is read:
+    the bytes every TCP socket of this process has had acknowledged (TCP_INFO), which
+    is what gloo sent. On the emulated cluster the NIC counters count everything.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import struct
+import time
+from typing import Optional
+
+import torch
+
+import collectives
+from collectives import cluster
+
+_TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in struct tcp_info
+
+
+class WaitClock:
+    """Adds up the seconds the training thread waits on communication (see above)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.waited = 0.0
+        self.in_hooks = 0.0  # the part of `waited` spent in blocking() sections
+        self._last_ready: Optional[float] = None
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
+                       for p in model.parameters() if p.requires_grad]
+
+    def _ready(self, param: torch.Tensor) -> None:
+        self._last_ready = time.perf_counter()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """loss.backward(), counting its communication tail."""
+        loss.backward()
+        if self._last_ready is not None:
+            self.waited += time.perf_counter() - self._last_ready
+            self._last_ready = None
+
+    @contextlib.contextmanager
+    def blocking(self):
+        """Time inside this block is waiting (a strategy's after_backward / after_step)."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds = time.perf_counter() - started
+            self.waited += seconds
+            self.in_hooks += seconds
+
+    def reset(self) -> None:
+        self.waited = self.in_hooks = 0.0
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def tcp_bytes_sent() -> Optional[int]:
+    """Bytes this process's open TCP sockets have sent (and had acknowledged), from
+    the kernel; None where that cannot be read (not Linux)."""
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    total = 0
+    for name in fds:
+        try:
+            if not os.readlink(f"/proc/self/fd/{name}").startswith("socket:"):
+                continue
+            probe = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if probe.type == socket.SOCK_STREAM and probe.family in (socket.AF_INET,
+                                                                     socket.AF_INET6):
+                info = probe.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+                if len(info) >= _TCP_INFO_BYTES_ACKED + 8:
+                    total += struct.unpack_from("Q", info, _TCP_INFO_BYTES_ACKED)[0]
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    return total
+
+
+class SentBytes:
+    """Bytes this rank has sent so far: its host's NIC on the emulated cluster (shared
+    by the ranks of the host), else our transport's counter, or for torch's DDP the
+    kernel's count for this process's TCP sockets."""
+
+    def __init__(self, comm, torch_peer: bool):
+        self.comm, self.torch_peer = comm, torch_peer
+        self.ranks_on_host = collectives.detect_launch().local_world_size or 1
+
+    def read(self) -> float:
+        nic = cluster.link_bytes()
+        if nic is not None:
+            return nic["sent"] / self.ranks_on_host
+        if self.torch_peer:
+            return tcp_bytes_sent() or 0
+        return self.comm.traffic.bytes_sent

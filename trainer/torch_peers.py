@@ -1,0 +1,118 @@
+"""torch's own counterparts of our sync strategies, as rows beside ours.
+
+A comparison of sync strategies means little without the reference people already
+use: torch's DistributedDataParallel with its stock comm hooks. Each peer here is
+torch's code, configured to compute what our strategy of the same idea computes:
+
+    ddp            DistributedDataParallel, plain               ours: allreduce
+    ddp-fp16       + fp16_compress_hook                          ours: fp16
+    ddp-bf16       + bf16_compress_hook                          ours: bf16
+    ddp-powersgd   + powerSGD_hook (rank 2, warm start,
+                   error feedback)                               ours: powersgd
+    ddp-localsgd   + post_localSGD_hook and a
+                   PeriodicModelAverager (period 8)              ours: local-sgd
+
+A peer has the same moments as our SyncStrategy (after_backward, after_step, close)
+so the trainer's loop and trainer.bench drive both alike; `wrap(model)` returns
+torch's DDP module in place of ours. Peers need torch.distributed's default group
+(the gloo or nccl backend; collectives.init makes it).
+
+Where torch's computation differs from ours, by design of each library:
+- fp16/bf16: torch casts the bucket first and divides in 16 bits; we divide in 32
+  bits and then cast (results agree to 16-bit rounding).
+- powersgd: torch's hook runs plain all-reduce for its first 2 steps (its minimum,
+  `start_powerSGD_iter`), works per bucket, and leaves a matrix uncompressed unless
+  compression gains 2x; ours compresses from the first step per parameter, whenever
+  it gains at all.
+- local-sgd: torch averages parameters only and DDP broadcasts rank 0's BatchNorm
+  buffers before each forward; ours averages parameters and buffers together. Both
+  average after steps W+H, W+2H, ... (torch's averager is given warmup W+H-1 for
+  that: by itself it would average after step W+1 first).
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+from torch.distributed.algorithms.model_averaging import averagers
+
+# peer name -> the name of our strategy that computes the same thing
+OURS = {"ddp": "allreduce", "ddp-fp16": "fp16", "ddp-bf16": "bf16",
+        "ddp-powersgd": "powersgd", "ddp-localsgd": "local-sgd"}
+NAMES = list(OURS)
+
+
+class TorchPeer:
+    """torch's DDP plus one of torch's comm hooks, driven like our strategies."""
+
+    uses_buckets = True
+
+    def __init__(self, name: str, period: int = 8, warmup_steps: int = 0, rank: int = 2,
+                 seed: int = 0):
+        if name not in OURS:
+            raise ValueError(f"unknown torch peer {name!r}: choose from {', '.join(NAMES)}")
+        if period < 1 or warmup_steps < 0 or rank < 1:
+            raise ValueError(f"{name}: period and rank must be at least 1, warmup_steps 0 "
+                             f"or more (got {period}, {rank}, {warmup_steps})")
+        self.name, self.seed, self.rank = name, seed, rank
+        # Steps between two periodic communications, and synchronous steps before the
+        # first (as our strategies say them: trainer.bench times whole periods).
+        periodic = name == "ddp-localsgd"
+        self.period = period if periodic else 1
+        # torch's PowerSGD hook runs plain all-reduce for its first 2 steps.
+        self.warmup_steps = {"ddp-localsgd": warmup_steps, "ddp-powersgd": 2}.get(name, 0)
+        self.averager = None
+
+    def wrap(self, model: torch.nn.Module, bucket_cap_mb: float = 25.0) -> torch.nn.Module:
+        """torch's DistributedDataParallel around `model`, with this peer's hook."""
+        if not dist.is_initialized():
+            raise RuntimeError(f"{self.name} is torch's DDP: it needs torch.distributed "
+                               "(backend gloo or nccl), not the mpi backend")
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        if self.name == "ddp-fp16":
+            wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif self.name == "ddp-bf16":
+            wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        elif self.name == "ddp-powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=self.rank,
+                start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
+                random_seed=self.seed)
+            wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        elif self.name == "ddp-localsgd":
+            state = post_localSGD_hook.PostLocalSGDState(
+                process_group=None, subgroup=None, start_localSGD_iter=self.warmup_steps,
+                post_local_gradient_allreduce=False)  # after warm-up: purely local steps
+            wrapped.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+            self.averager = averagers.PeriodicModelAverager(
+                period=self.period, warmup_steps=self.warmup_steps + self.period - 1)
+        self.module = model
+        return wrapped
+
+    def after_backward(self, model: torch.nn.Module) -> None:
+        """Nothing: torch's DDP has finished its reduction inside backward()."""
+
+    def after_step(self, model: torch.nn.Module, step: int) -> None:
+        if self.averager is not None:
+            self.averager.average_parameters(model.parameters())
+
+    def close(self) -> None:
+        """Nothing in flight: every torch collective here is waited on inside the step."""
+
+
+def is_peer(name: str) -> bool:
+    return name in OURS
+
+
+def create(name: str, **options) -> TorchPeer:
+    """A peer by name; options as our strategies take them (period, warmup_steps, rank,
+    seed). An option the peer does not know raises TypeError."""
+    allowed: Dict[str, set] = {"ddp-localsgd": {"period", "warmup_steps"},
+                               "ddp-powersgd": {"rank", "seed"}}
+    unknown = set(options) - allowed.get(name, set())
+    if unknown:
+        raise TypeError(f"{name} takes no option(s) {', '.join(sorted(unknown))}")
+    return TorchPeer(name, **options)
