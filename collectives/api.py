@@ -28,6 +28,7 @@ from typing import List, Optional, Sequence, Union
 import torch
 
 from . import algorithms
+from . import trace
 from .bootstrap import get_comm
 from .transport import REDUCE_OPS, PeerError, Transport
 
@@ -116,14 +117,17 @@ def agree_on_call(comm: Transport, collective: str, tensor: torch.Tensor,
 
 @contextlib.contextmanager
 def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, root=-1,
-            check=True):
-    """Run the handshake if asked (always in debug mode), count the call, and name the
-    collective in any PeerError raised inside."""
+            check=True, runs=None):
+    """Run the handshake if asked (always in debug mode), count the call, name the
+    collective in any PeerError raised inside, and trace it (`runs`: the algorithm
+    that `algorithm`, perhaps "auto", chose)."""
     if check or DEBUG:
         agree_on_call(comm, collective, tensor, op, algorithm, root)
     comm.calls = getattr(comm, "calls", 0) + 1
     try:
-        yield
+        with trace.span(f"{collective} {runs or algorithm}", cat="comm",
+                          bytes=tensor.numel() * tensor.element_size()):
+            yield
     except PeerError as error:
         raise PeerError(f"{collective} ({algorithm}, call #{comm.calls}): {error}") from error
 
@@ -161,7 +165,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
     chosen = _pick("all_reduce", algorithm, tensor, comm)
     if comm.world_size == 1:
         return tensor
-    with _during(comm, "all_reduce", algorithm, tensor, op, check=check):
+    with _during(comm, "all_reduce", algorithm, tensor, op, check=check, runs=chosen):
         if tensor.numel():
             _run_reduction(comm, algorithms.ALL_REDUCE[chosen], tensor.view(-1), op)
     return tensor
@@ -177,7 +181,7 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "auto",
     chosen = _pick("broadcast", algorithm, tensor, comm)
     if comm.world_size == 1:
         return tensor
-    with _during(comm, "broadcast", algorithm, tensor, root=src, check=check):
+    with _during(comm, "broadcast", algorithm, tensor, root=src, check=check, runs=chosen):
         if tensor.numel():
             algorithms.BROADCAST[chosen](comm, tensor.view(-1), src)
     return tensor
@@ -198,7 +202,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                          f"{input.numel()} of {input.dtype}")
     chosen = _pick("reduce_scatter", algorithm, input, comm)
     if comm.world_size > 1:
-        with _during(comm, "reduce_scatter", algorithm, input, op, check=check):
+        with _during(comm, "reduce_scatter", algorithm, input, op, check=check, runs=chosen):
             if input.numel():
                 _run_reduction(comm, algorithms.REDUCE_SCATTER[chosen], input.view(-1), op)
     mine = input.view(-1)[comm.rank * output.numel():(comm.rank + 1) * output.numel()]
@@ -229,7 +233,7 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
     flat[comm.rank * count:(comm.rank + 1) * count].copy_(input.view(-1))
     chosen = _pick("all_gather", algorithm, flat, comm)
     if n > 1:
-        with _during(comm, "all_gather", algorithm, input, check=check):
+        with _during(comm, "all_gather", algorithm, input, check=check, runs=chosen):
             if count:
                 algorithms.ALL_GATHER[chosen](comm, flat)
     if isinstance(output, (list, tuple)):

@@ -41,7 +41,7 @@ from typing import Dict, List
 
 import torch
 
-from . import algorithms, api, cluster
+from . import algorithms, api, cluster, trace
 
 BUS_FACTOR = {  # busbw / algbw, as nccl-tests
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -86,19 +86,35 @@ class Runner:
         self.comm, self.dtype = comm, dtype
         self.min_iters, self.seconds_per_row, self.trials = min_iters, seconds_per_row, trials
         self.nic_bytes_per_call = None  # on the emulated cluster: the busiest host's NIC
+        self.trace_calls = 0  # --trace: calls traced per row
 
     def _slowest(self, seconds: float) -> float:
         value = torch.tensor([seconds], dtype=torch.float64)
         self.comm.native_all_reduce(value, "max")
         return value.item()
 
-    def _time(self, step) -> float:
+    def _trace(self, step, label: str) -> None:
+        """With --trace: a few extra calls, each a "step" span named by the row, recorded
+        outside the timed loops so that tracing cannot change the figures."""
+        trace.resume()
+        for call in range(self.trace_calls):
+            self.comm.barrier()
+            started = time.perf_counter_ns()
+            step()
+            ended = time.perf_counter_ns()
+            trace.add(f"call {call + 1}", "step", started, ended, sync=label)
+            trace.add("blocking call", "wait", started, ended)  # nothing to overlap with
+        trace.pause()
+
+    def _time(self, step, label: str = "") -> float:
         """Seconds per call: the median over trials of the slowest rank's mean.
 
         A shared machine is noisy, so the row's time is the median of `trials` timed
         loops, each of an iteration count that every rank agrees on.
         """
         step()  # warm up: first-touch allocations, connections
+        if self.trace_calls:
+            self._trace(step, label)
         started = time.perf_counter()
         step()
         once = self._slowest(time.perf_counter() - started)
@@ -124,7 +140,7 @@ class Runner:
         if op in ("reduce_scatter", "all_gather"):
             count = max(n, count - count % n)
         step, wrong = self._build(op, algorithm, count)
-        seconds = self._time(step)
+        seconds = self._time(step, f"{op} {algorithm} {count * element} B")
         algbw = count * element / seconds / 1e9
         row = dict(op=op, algorithm=algorithm, backend=comm.backend, transport=comm.name,
                    world_size=n,
@@ -208,6 +224,9 @@ def header(on_cluster: bool) -> str:
 
 def run_benchmark(comm, args) -> List[Dict]:
     runner = Runner(comm, DTYPES[args.dtype], args.min_iters, args.seconds_per_row, args.trials)
+    if args.trace:
+        runner.trace_calls = args.trace_steps
+        trace.start(comm, args.trace, level=args.trace_level, recording=False)
     rows = []
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"# collectives.bench: {comm.name}, {comm.world_size} ranks, "
@@ -232,6 +251,8 @@ def run_benchmark(comm, args) -> List[Dict]:
         say(format_row(row), flush=True)
     bad = sum(row["wrong"] for row in rows)
     say(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}")
+    if args.trace:
+        say(f"# trace: {trace.finish(comm)} (`python -m collectives.trace {args.trace}`)")
     return rows
 
 
@@ -292,6 +313,12 @@ def parser() -> argparse.ArgumentParser:
                    help="skip timing the argument-check handshake")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
     p.add_argument("--plot", metavar="FILE.png", help="plot busbw against size")
+    p.add_argument("--trace", metavar="DIR", help="trace a few extra calls of every row "
+                   "(outside the timed loops) into DIR/trace.json")
+    p.add_argument("--trace-steps", type=int, default=2, metavar="N",
+                   help="calls traced per row (default 2)")
+    p.add_argument("--trace-level", type=int, choices=[1, 2], default=2,
+                   help="2 (default): each algorithm's steps too; 1: whole collectives")
     return p
 
 

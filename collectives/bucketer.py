@@ -48,6 +48,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from . import trace
 from .bootstrap import stop_at_exit
 from .transport import Transport
 
@@ -112,27 +113,35 @@ class CommWorker:
 
     def _run(self) -> None:
         while True:
-            job, done = self.jobs.get()
+            job, done, name, args, ready_ns = self.jobs.get()
             if job is None:
                 return
             started = time.perf_counter()
             try:
                 if self.error is None:
-                    job()
+                    if ready_ns is None:  # not tracing
+                        job()
+                    else:  # the span says how long the job waited in the queue too
+                        queued_ms = (time.perf_counter_ns() - ready_ns) / 1e6
+                        with trace.span(name, cat="comm", queued_ms=queued_ms, **args):
+                            job()
             except BaseException as error:  # re-raised on the training thread
                 self.error = error
             finally:
                 self.busy_seconds += time.perf_counter() - started
                 done.set()
 
-    def submit(self, job: Callable[[], None]) -> threading.Event:
+    def submit(self, job: Callable[[], None], name: str = "communication",
+               **trace_args) -> threading.Event:
+        """Queue `job`; `name` and `trace_args` label its span when tracing."""
         done = threading.Event()
-        self.jobs.put((job, done))
+        ready_ns = time.perf_counter_ns() if trace.active() else None
+        self.jobs.put((job, done, name, trace_args, ready_ns))
         return done
 
     def stop(self) -> None:
         """Finish the jobs already submitted, then end the thread."""
-        self.jobs.put((None, None))
+        self.jobs.put((None, None, None, None, None))
 
     def join(self, seconds: float) -> None:
         self.thread.join(seconds)
@@ -228,7 +237,9 @@ class Bucketer:
         while (self._next_to_launch < len(self.buckets)
                and all(self.buckets[self._next_to_launch].ready)):
             buffer = self.buckets[self._next_to_launch].buffer
-            self._pending.append(self.worker.submit(lambda b=buffer: self.reduce_bucket(b)))
+            self._pending.append(self.worker.submit(
+                lambda b=buffer: self.reduce_bucket(b), f"bucket {self._next_to_launch}",
+                bytes=buffer.numel() * buffer.element_size()))
             self._next_to_launch += 1
 
     # --- after backward ----------------------------------------------------------------
@@ -301,12 +312,13 @@ class Bucketer:
         """Which parameters any rank used: the last job of every step on every rank (the
         same order everywhere), a max over the ranks' 0/1 maps, in place."""
         self._pending.append(self.worker.submit(
-            lambda: self.comm.native_all_reduce(used_map, "max")))
+            lambda: self.comm.native_all_reduce(used_map, "max"), "used map"))
 
     def _wait_for_all(self) -> None:
         """Wait for every launched job, start the next step afresh, re-raise a comm error."""
-        for done in self._pending:
-            done.wait()
+        with trace.span("wait for buckets", cat="wait.buckets"):
+            for done in self._pending:
+                done.wait()
         error = self.worker.error
         self._reset()
         if error is not None:

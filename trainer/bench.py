@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 import collectives
 from collectives import sync as sync_registry
+from collectives import trace
 from . import torch_peers
 from .models import ARCHITECTURES, build_model
 from .timing import SentBytes, WaitClock
@@ -79,11 +80,13 @@ class Variant:
 
     def __init__(self, comm, sync_name, args):
         self.name = sync_name
+        self.trace_steps = args.trace_steps if args.trace else 0  # of the first round
         torch.manual_seed(0)
         self.model = build_model(args.model, 1, 10, 28)
         if torch_peers.is_peer(sync_name):
             self.strategy = torch_peers.create(sync_name)
-            self.wrapped = self.strategy.wrap(self.model, bucket_cap_mb=args.bucket_mb)
+            self.wrapped = self.strategy.wrap(self.model, bucket_cap_mb=args.bucket_mb,
+                                              traced=bool(args.trace))
         else:
             self.strategy = sync_registry.create(sync_name, algorithm=args.algorithm)
             self.wrapped = collectives.DistributedDataParallel(
@@ -105,14 +108,20 @@ class Variant:
                         if sync_name in ("ddp", "allreduce") else None)
 
     def train_step(self):  # the trainer's order: backward, after_backward, step, after_step
-        self.clock.backward(F.cross_entropy(self.wrapped(self.images), self.labels))
-        with self.clock.blocking():
+        started = time.perf_counter_ns()
+        with trace.span("forward", cat="compute"):
+            loss = F.cross_entropy(self.wrapped(self.images), self.labels)
+        self.clock.backward(loss)
+        with self.clock.blocking("after_backward"):
             self.strategy.after_backward(self.model)
-        self.optimizer.step()
+        with trace.span("optimizer", cat="compute"):
+            self.optimizer.step()
         self.steps_done += 1
-        with self.clock.blocking():
+        with self.clock.blocking("after_step"):
             self.strategy.after_step(self.model, self.steps_done)
         self.optimizer.zero_grad()
+        trace.add(f"step {self.steps_done}", "step", started, time.perf_counter_ns(),
+                  step=self.steps_done, sync=self.name)
 
     def compute_only_step(self):
         """Forward, backward and the optimizer, with no communication and no moments
@@ -132,8 +141,11 @@ class Variant:
     def round(self, comm):
         sent_before = self.sent.read()
         self.clock.reset()
-        for _ in range(self.steps_per_round):
+        for index in range(self.steps_per_round):
+            (trace.resume if index < self.trace_steps else trace.pause)()
             self.samples["step"].append(_time_once(comm, self.train_step))
+        trace.pause()
+        self.trace_steps = 0  # only the first round is traced
         self.sent_bytes += self.sent.read() - sent_before
         self.waited += self.clock.waited
         self.samples["compute"].append(_time_once(comm, self.compute_only_step))
@@ -172,6 +184,8 @@ def _bucket_buffers(wrapped, model, sync_name):
 
 def rank_main(args):
     comm = collectives.init(backend="gloo")
+    if args.trace:  # collective: measures each rank's clock offset to rank 0
+        trace.start(comm, args.trace, level=args.trace_level, recording=False)
     rows = []
     if comm.rank == 0:
         print(f"# trainer.bench: {args.model}, {comm.world_size} ranks, batch {args.batch_size} "
@@ -200,6 +214,10 @@ def rank_main(args):
         with open(args.json, "w") as out:
             for row in rows:
                 out.write(json.dumps(row) + "\n")
+    if args.trace:
+        merged = trace.finish(comm)
+        if comm.rank == 0:
+            print(f"# trace: {merged} (`python -m collectives.trace {args.trace}`)")
     collectives.destroy()
 
 
@@ -222,6 +240,12 @@ def main(argv=None):
     p.add_argument("--algorithm", default="auto", help="our collective algorithm (default auto)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
+    p.add_argument("--trace", metavar="DIR", help="trace the first round's steps of every "
+                   "sync into DIR/trace.json (python -m collectives.trace DIR draws it)")
+    p.add_argument("--trace-steps", type=int, default=3, metavar="N",
+                   help="steps traced per sync, from its first timed round (default 3)")
+    p.add_argument("--trace-level", type=int, choices=[1, 2], default=1,
+                   help="1: steps, buckets, waits (default); 2: each algorithm's steps too")
     args = p.parse_args(argv)
     known = sync_registry.available() + torch_peers.NAMES
     for name in args.sync:

@@ -58,6 +58,18 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def step_range(text: str):
+    """'2:4' -> (2, 4); '3' -> (3, 3)."""
+    first, _, last = text.partition(":")
+    try:
+        first, last = int(first), int(last or first)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected FIRST:LAST step numbers, got {text!r}")
+    if not 1 <= first <= last:
+        raise argparse.ArgumentTypeError(f"need 1 <= FIRST <= LAST, got {text!r}")
+    return first, last
+
+
 def sync_option(text: str):
     """'period=8' -> ('period', 8); numbers become int or float."""
     key, sep, value = text.partition("=")
@@ -148,6 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --resume: evaluate the checkpoint on the test split and stop")
     files.add_argument("--metrics", metavar="FILE",
                        help="append one JSON object per epoch to FILE")
+    files.add_argument("--trace", metavar="DIR",
+                       help="write a timeline of --trace-steps: DIR/rank<R>.json per rank and "
+                            "DIR/trace.json (all ranks, one clock) for Perfetto; "
+                            "`python -m collectives.trace DIR` draws and summarises it")
+    files.add_argument("--trace-steps", type=step_range, default=(2, 4), metavar="FIRST:LAST",
+                       help="the optimizer steps to trace, counted from 1 (default: 2:4)")
+    files.add_argument("--trace-level", type=int, choices=[1, 2], default=1,
+                       help="1: steps, forward, backward, optimizer, waits, buckets "
+                            "(default); 2: also each algorithm's steps")
     return p
 
 

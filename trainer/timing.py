@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 import collectives
-from collectives import cluster
+from collectives import cluster, trace
 
 _TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in struct tcp_info
 
@@ -37,30 +37,34 @@ class WaitClock:
     def __init__(self, model: torch.nn.Module):
         self.waited = 0.0
         self.in_hooks = 0.0  # the part of `waited` spent in blocking() sections
-        self._last_ready: Optional[float] = None
+        self._last_ready: Optional[int] = None  # perf_counter_ns of the last gradient
         self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
                        for p in model.parameters() if p.requires_grad]
 
     def _ready(self, param: torch.Tensor) -> None:
-        self._last_ready = time.perf_counter()
+        self._last_ready = time.perf_counter_ns()
 
     def backward(self, loss: torch.Tensor) -> None:
-        """loss.backward(), counting its communication tail."""
-        loss.backward()
+        """loss.backward(), counting its communication tail (a "wait" span in a trace)."""
+        with trace.span("backward", cat="compute"):
+            loss.backward()
         if self._last_ready is not None:
-            self.waited += time.perf_counter() - self._last_ready
+            now = time.perf_counter_ns()
+            self.waited += (now - self._last_ready) / 1e9
+            trace.add("waiting on communication", "wait", self._last_ready, now)
             self._last_ready = None
 
     @contextlib.contextmanager
-    def blocking(self):
+    def blocking(self, name: str = "sync hook"):
         """Time inside this block is waiting (a strategy's after_backward / after_step)."""
-        started = time.perf_counter()
+        started = time.perf_counter_ns()
         try:
             yield
         finally:
-            seconds = time.perf_counter() - started
-            self.waited += seconds
-            self.in_hooks += seconds
+            now = time.perf_counter_ns()
+            self.waited += (now - started) / 1e9
+            self.in_hooks += (now - started) / 1e9
+            trace.add(name, "wait", started, now)
 
     def reset(self) -> None:
         self.waited = self.in_hooks = 0.0

@@ -31,6 +31,7 @@ Where torch's computation differs from ours, by design of each library:
 """
 from __future__ import annotations
 
+import time
 from typing import Dict
 
 import torch
@@ -38,6 +39,8 @@ import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers
+
+from collectives import trace
 
 # peer name -> the name of our strategy that computes the same thing
 OURS = {"ddp": "allreduce", "ddp-fp16": "fp16", "ddp-bf16": "bf16",
@@ -66,29 +69,38 @@ class TorchPeer:
         self.warmup_steps = {"ddp-localsgd": warmup_steps, "ddp-powersgd": 2}.get(name, 0)
         self.averager = None
 
-    def wrap(self, model: torch.nn.Module, bucket_cap_mb: float = 25.0) -> torch.nn.Module:
-        """torch's DistributedDataParallel around `model`, with this peer's hook."""
+    def wrap(self, model: torch.nn.Module, bucket_cap_mb: float = 25.0,
+             traced: bool = False) -> torch.nn.Module:
+        """torch's DistributedDataParallel around `model`, with this peer's hook.
+
+        traced: show each bucket's communication as a span in a trace (collectives.trace).
+        torch's collectives run in C++, so the hook is wrapped: the span runs from the
+        call of the hook to the completion of its future. Plain `ddp` then reduces
+        through torch's stock allreduce_hook (the same all-reduce, from Python)."""
         if not dist.is_initialized():
             raise RuntimeError(f"{self.name} is torch's DDP: it needs torch.distributed "
                                "(backend gloo or nccl), not the mpi backend")
         wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        state, hook = None, default_hooks.allreduce_hook if traced else None
         if self.name == "ddp-fp16":
-            wrapped.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            hook = default_hooks.fp16_compress_hook
         elif self.name == "ddp-bf16":
-            wrapped.register_comm_hook(None, default_hooks.bf16_compress_hook)
+            hook = default_hooks.bf16_compress_hook
         elif self.name == "ddp-powersgd":
             state = powerSGD_hook.PowerSGDState(
                 process_group=None, matrix_approximation_rank=self.rank,
                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                 random_seed=self.seed)
-            wrapped.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+            hook = powerSGD_hook.powerSGD_hook
         elif self.name == "ddp-localsgd":
             state = post_localSGD_hook.PostLocalSGDState(
                 process_group=None, subgroup=None, start_localSGD_iter=self.warmup_steps,
                 post_local_gradient_allreduce=False)  # after warm-up: purely local steps
-            wrapped.register_comm_hook(state, post_localSGD_hook.post_localSGD_hook)
+            hook = post_localSGD_hook.post_localSGD_hook
             self.averager = averagers.PeriodicModelAverager(
                 period=self.period, warmup_steps=self.warmup_steps + self.period - 1)
+        if hook is not None:
+            wrapped.register_comm_hook(state, _traced(hook) if traced else hook)
         self.module = model
         return wrapped
 
@@ -101,6 +113,19 @@ class TorchPeer:
 
     def close(self) -> None:
         """Nothing in flight: every torch collective here is waited on inside the step."""
+
+
+def _traced(hook):
+    """`hook`, with a "bucket i" span from its call to the completion of its future."""
+    def traced_hook(state, bucket):
+        started = time.perf_counter_ns()
+        index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
+
+        def finished(future):
+            trace.add(f"bucket {index}", "comm", started, time.perf_counter_ns(), bytes=nbytes)
+            return future.value()
+        return hook(state, bucket).then(finished)
+    return traced_hook
 
 
 def is_peer(name: str) -> bool:

@@ -21,6 +21,7 @@ from torch.utils.data.distributed import DistributedSampler
 from tqdm import tqdm
 
 import collectives
+from collectives import trace
 from . import checkpoint, data, torch_peers
 from .cli import create_sync, parse_args
 from .models import build_model
@@ -97,12 +98,14 @@ def train(argv=None) -> None:
     say = print if rank == 0 else (lambda *a, **k: None)
     seed_everything(args.seed)
 
+    if args.trace:  # collective: measures each rank's clock offset to rank 0
+        trace.start(comm, args.trace, level=args.trace_level, recording=False)
     model = build_model(args.arch, split.channels, split.num_classes, split.image_size).to(device)
     strategy = create_sync(args)
     torch_peer = torch_peers.is_peer(args.sync)
     if torch_peer:
         try:
-            ddp = strategy.wrap(model, bucket_cap_mb=args.bucket_mb)
+            ddp = strategy.wrap(model, bucket_cap_mb=args.bucket_mb, traced=bool(args.trace))
         except RuntimeError as error:
             fail(str(error))
     else:
@@ -163,14 +166,19 @@ def train(argv=None) -> None:
             if index >= steps_per_epoch * args.accum_steps:
                 break  # an incomplete accumulation at the end of the epoch is dropped
             images, labels = images.to(device), labels.to(device)
+            if index % args.accum_steps == 0:  # a new optimizer step begins
+                step_started = time.perf_counter_ns()
+                if args.trace:  # record only the steps of --trace-steps
+                    (trace.resume if args.trace_steps[0] <= step + 1 <= args.trace_steps[1]
+                     else trace.pause)()
             last_micro = (index + 1) % args.accum_steps == 0
             with (contextlib.nullcontext() if last_micro else ddp.no_sync()):
-                with autocast(device, args.amp):
+                with autocast(device, args.amp), trace.span("forward", cat="compute"):
                     loss = F.cross_entropy(ddp(images), labels) / args.accum_steps
                 clock.backward(scaler.scale(loss))
             losses.append(loss.item() * args.accum_steps)
             if last_micro:
-                with clock.blocking():
+                with clock.blocking("after_backward"):
                     strategy.after_backward(model)
                 if args.skip_nonfinite and not collectives.all_finite(
                         [p.grad for p in model.parameters()], comm):
@@ -180,13 +188,16 @@ def train(argv=None) -> None:
                     if scaler.is_enabled():
                         scaler.update(scaler.get_scale() * 0.5)
                     continue
-                scaler.step(optimizer)
-                scaler.update()
-                schedule.step()
+                with trace.span("optimizer", cat="compute"):
+                    scaler.step(optimizer)
+                    scaler.update()
+                    schedule.step()
                 step += 1
-                with clock.blocking():  # torch's model averager wants the grads still set
+                with clock.blocking("after_step"):  # torch's model averager wants the grads
                     strategy.after_step(model, step)
                 optimizer.zero_grad(set_to_none=True)
+                trace.add(f"step {step}", "step", step_started, time.perf_counter_ns(),
+                          step=step, sync=args.sync)
                 if rank == 0:
                     batches.set_postfix(loss=f"{losses[-1]:.3f}")
         train_seconds = time.perf_counter() - epoch_started
@@ -227,5 +238,9 @@ def train(argv=None) -> None:
             say(f"test accuracy {accuracy:.2%} reached --stop-at {args.stop_at:.2%}: stopping")
             break  # every rank sees the same all-reduced accuracy, so all stop together
     strategy.close()
+    if args.trace:
+        merged = trace.finish(comm)
+        say(f"trace of steps {args.trace_steps[0]}-{args.trace_steps[1]}: {merged} (open it in "
+            f"https://ui.perfetto.dev; `python -m collectives.trace {args.trace}` draws it)")
     say(f"done in {time.perf_counter() - started:.1f} s: test accuracy {accuracy:.2%}")
     collectives.destroy()

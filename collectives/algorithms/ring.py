@@ -57,6 +57,7 @@ from typing import List, Optional
 import torch
 
 from ..transport import Transport
+from .. import trace
 from ..transport.group import Group
 from .common import chunk_bounds, segments
 
@@ -109,9 +110,11 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
     for step in range(n - 1):
         last = step == n - 2
         next_receives = [] if last else post_receives(step + 1)  # use the other scratch
-        for receive in receives:
-            receive.wait()  # reduced, and on its way to the right unless this is the end
-            sends.append(receive.forward)
+        with trace.span(f"ring reduce-scatter step {step}", cat="comm.step", level=2,
+                        send_to=send_to, recv_from=recv_from):
+            for receive in receives:
+                receive.wait()  # reduced, and on its way to the right unless this is the end
+                sends.append(receive.forward)
         receives = next_receives
     for send in sends:
         send.wait()
@@ -140,10 +143,12 @@ def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] 
     for step in range(n - 1):
         last = step == n - 2
         next_receives = [] if last else post_receives(step + 1)
-        for (lo, hi), receive in zip(pieces(step), receives):
-            receive.wait()
-            if not last:  # forward what just arrived: it is the next step's send
-                sends.append(comm.isend(flat[lo:hi], send_to))
+        with trace.span(f"ring all-gather step {step}", cat="comm.step", level=2,
+                        send_to=send_to, recv_from=recv_from):
+            for (lo, hi), receive in zip(pieces(step), receives):
+                receive.wait()
+                if not last:  # forward what just arrived: it is the next step's send
+                    sends.append(comm.isend(flat[lo:hi], send_to))
         receives = next_receives
     for send in sends:
         send.wait()

@@ -50,7 +50,8 @@ class AsyncAverage(SyncStrategy):
         flag = torch.tensor([1.0 if still_training else 0.0], dtype=self.snapshot.dtype)
         payload = torch.cat([self.snapshot, flag])
         done = self.worker.submit(lambda: api.all_reduce(
-            payload, op="sum", algorithm=self.algorithm, comm=self.channel, check=False))
+            payload, op="sum", algorithm=self.algorithm, comm=self.channel, check=False),
+            "averaging round")
         self.round = (payload, done)
 
     def _finish_round(self, model) -> bool:

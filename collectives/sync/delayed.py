@@ -46,7 +46,8 @@ class Delayed(SyncStrategy):
                              for p in params])
         previous = self._wait_in_flight() if self.in_flight else torch.zeros_like(current)
         done = self.worker.submit(lambda: api.all_reduce(
-            current, op="avg", algorithm=self.algorithm, comm=self.channel, check=False))
+            current, op="avg", algorithm=self.algorithm, comm=self.channel, check=False),
+            "last step's gradients")
         self.in_flight = (current, done)
         offset = 0
         for p in params:  # the optimizer applies last step's average
