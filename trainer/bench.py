@@ -18,10 +18,14 @@ ddp-localsgd). On random 28x28 images with the trainer's model it measures:
     waited_ms     per step, the time the training thread waited on communication
                   (trainer/timing.py: backward's tail after the last gradient, plus
                   the strategy's moments)
-    comm_ms       only the communication: every gradient bucket reduced back to back
-                  (ddp and allreduce, whose communication is exactly that)
-    hidden_share  how much of comm_ms the overlap hid behind backward:
-                  (compute_ms + comm_ms - step_ms) / comm_ms, clipped to [0, 1]
+    comm_ms       per step, how long communication ran off the training thread: our
+                  communication threads' busy time, or for torch's rows the span of
+                  its buckets in flight (seen by wrapping its hook: plain ddp then
+                  runs torch's stock allreduce_hook). None where communication runs on
+                  the training thread (local SGD's averaging, powersgd): all of it is
+                  then in waited_ms
+    hidden_share  how much of comm_ms ran while the training thread computed:
+                  1 - waited_ms / comm_ms (per rank, then averaged over the ranks)
     images_per_s  world_size x batch size / step_ms
     mb_per_step   megabytes this rank sent per step: on the emulated cluster its host's
                   NIC (headers included, divided by the ranks on the host); elsewhere
@@ -41,7 +45,6 @@ import sys
 import time
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 import collectives
@@ -49,7 +52,7 @@ from collectives import sync as sync_registry
 from collectives import trace
 from . import torch_peers
 from .models import ARCHITECTURES, build_model
-from .timing import SentBytes, WaitClock
+from .timing import SentBytes, WaitClock, background_comm_seconds
 
 
 def _slowest(comm, values):
@@ -57,6 +60,23 @@ def _slowest(comm, values):
     value = torch.tensor(values, dtype=torch.float64)
     comm.native_all_reduce(value, "max")
     return value.tolist()
+
+
+def _summed(comm, values):
+    value = torch.tensor(values, dtype=torch.float64)
+    comm.native_all_reduce(value, "sum")
+    return value.tolist()
+
+
+def union_seconds(intervals) -> float:
+    """Seconds covered by (start ns, end ns) intervals that may overlap."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total / 1e9
 
 
 def _time_once(comm, step) -> float:
@@ -80,13 +100,13 @@ class Variant:
 
     def __init__(self, comm, sync_name, args):
         self.name = sync_name
-        self.trace_steps = args.trace_steps if args.trace else 0  # of the first round
+        self.trace_left = args.trace_steps if args.trace else 0  # steps still to trace
         torch.manual_seed(0)
         self.model = build_model(args.model, 1, 10, 28)
         if torch_peers.is_peer(sync_name):
             self.strategy = torch_peers.create(sync_name)
             self.wrapped = self.strategy.wrap(self.model, bucket_cap_mb=args.bucket_mb,
-                                              traced=bool(args.trace))
+                                              observed=True)
         else:
             self.strategy = sync_registry.create(sync_name, algorithm=args.algorithm)
             self.wrapped = collectives.DistributedDataParallel(
@@ -100,12 +120,8 @@ class Variant:
         self.steps_per_round = math.ceil(args.steps / self.period) * self.period
         self.warmup = aligned_warmup(args.warmup, self.period, self.strategy.warmup_steps)
         self.steps_done = 0
-        self.samples = {"step": [], "compute": [], "comm": []}
-        self.sent_bytes = 0.0
-        self.waited = 0.0
-        # Overlap is defined for gradient all-reduce every step (ddp and allreduce).
-        self.buffers = (_bucket_buffers(self.wrapped, self.model, sync_name)
-                        if sync_name in ("ddp", "allreduce") else None)
+        self.samples = {"step": [], "compute": []}
+        self.sent_bytes = self.waited = self.communicating = 0.0
 
     def train_step(self):  # the trainer's order: backward, after_backward, step, after_step
         started = time.perf_counter_ns()
@@ -131,55 +147,47 @@ class Variant:
         self.optimizer.step()
         self.optimizer.zero_grad()
 
-    def comm_only(self):
-        for flat in self.buffers:
-            if self.name == "ddp":
-                dist.all_reduce(flat)
-            else:
-                self.wrapped.sync.reduce_bucket(flat)
+    def communicating_seconds(self) -> float:
+        """How long communication has run so far, where it runs off the training thread:
+        our communication threads' busy time, or the span of torch's observed buckets
+        (which may overlap one another: their union)."""
+        if torch_peers.is_peer(self.name):
+            return union_seconds(self.strategy.bucket_intervals)
+        return background_comm_seconds(self.wrapped, self.strategy)
 
     def round(self, comm):
-        sent_before = self.sent.read()
+        sent_before, communicating_before = self.sent.read(), self.communicating_seconds()
         self.clock.reset()
-        for index in range(self.steps_per_round):
-            (trace.resume if index < self.trace_steps else trace.pause)()
+        for _ in range(self.steps_per_round):
+            (trace.resume if self.trace_left > 0 else trace.pause)()
+            self.trace_left -= 1
             self.samples["step"].append(_time_once(comm, self.train_step))
         trace.pause()
-        self.trace_steps = 0  # only the first round is traced
         self.sent_bytes += self.sent.read() - sent_before
+        self.communicating += self.communicating_seconds() - communicating_before
         self.waited += self.clock.waited
         self.samples["compute"].append(_time_once(comm, self.compute_only_step))
-        if self.buffers is not None:
-            self.samples["comm"].append(_time_once(comm, self.comm_only))
 
     def row(self, comm, args):
         steps = len(self.samples["step"])
         mean = lambda values: sum(values) / len(values)  # noqa: E731
-        step, compute, waited, sent = _slowest(comm, [
+        # Seen communication: for strategies that communicate every step off the
+        # training thread (periodic ones and powersgd communicate on it: all waited).
+        seen = self.period == 1 and self.communicating > 0
+        hidden = (max(0.0, 1 - self.waited / self.communicating) if seen else 0.0)
+        step, compute, waited, sent, communicating = _slowest(comm, [
             mean(self.samples["step"]), mean(self.samples["compute"]), self.waited / steps,
-            self.sent_bytes / steps])
-        events = steps // self.period
+            self.sent_bytes / steps, self.communicating / steps])
+        (hidden_sum,) = _summed(comm, [hidden])  # each rank's share, averaged
         row = dict(sync=self.name, world_size=comm.world_size, model=args.model,
-                   batch_size=args.batch_size, images_per_s=comm.world_size * args.batch_size / step,
+                   batch_size=args.batch_size,
+                   images_per_s=comm.world_size * args.batch_size / step,
                    step_ms=step * 1e3, compute_ms=compute * 1e3, waited_ms=waited * 1e3,
-                   comm_ms=None, hidden_share=None, mb_per_step=sent / 1e6,
-                   steps=steps, events=events)
-        if self.buffers is not None:
-            (communication,) = _slowest(comm, [mean(self.samples["comm"])])
-            hidden = (compute + communication - step) / communication
-            row.update(comm_ms=communication * 1e3, hidden_share=min(1.0, max(0.0, hidden)))
+                   comm_ms=communicating * 1e3 if seen else None,
+                   hidden_share=hidden_sum / comm.world_size if seen else None,
+                   mb_per_step=sent / 1e6, steps=steps, events=steps // self.period)
         self.strategy.close()  # background rounds (async-avg, delayed) end together
         return row
-
-
-def _bucket_buffers(wrapped, model, sync_name):
-    """Flat buffers shaped like the gradient buckets each implementation reduces."""
-    if sync_name != "ddp" and wrapped.bucketer is not None:
-        return [bucket.buffer.clone() for bucket in wrapped.bucketer.buckets]
-    from collectives.bucketer import assign_buckets
-    params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
-    return [torch.zeros(sum(p.numel() for p in group))
-            for group in assign_buckets(params, 25.0, 1.0)]
 
 
 def rank_main(args):
@@ -240,10 +248,10 @@ def main(argv=None):
     p.add_argument("--algorithm", default="auto", help="our collective algorithm (default auto)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
-    p.add_argument("--trace", metavar="DIR", help="trace the first round's steps of every "
+    p.add_argument("--trace", metavar="DIR", help="trace the first timed steps of every "
                    "sync into DIR/trace.json (python -m collectives.trace DIR draws it)")
     p.add_argument("--trace-steps", type=int, default=3, metavar="N",
-                   help="steps traced per sync, from its first timed round (default 3)")
+                   help="timed steps traced per sync, from the first (default 3)")
     p.add_argument("--trace-level", type=int, choices=[1, 2], default=1,
                    help="1: steps, buckets, waits (default); 2: each algorithm's steps too")
     args = p.parse_args(argv)

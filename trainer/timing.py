@@ -118,3 +118,10 @@ class SentBytes:
         if self.torch_peer:
             return tcp_bytes_sent() or 0
         return self.comm.traffic.bytes_sent
+
+
+def background_comm_seconds(ddp, strategy) -> float:
+    """Seconds the communication threads (the bucketer's, a strategy's) have been busy."""
+    workers = [getattr(getattr(ddp, "bucketer", None), "worker", None),
+               getattr(strategy, "worker", None)]
+    return sum(worker.busy_seconds for worker in workers if worker is not None)

@@ -70,18 +70,20 @@ class TorchPeer:
         self.averager = None
 
     def wrap(self, model: torch.nn.Module, bucket_cap_mb: float = 25.0,
-             traced: bool = False) -> torch.nn.Module:
+             observed: bool = False) -> torch.nn.Module:
         """torch's DistributedDataParallel around `model`, with this peer's hook.
 
-        traced: show each bucket's communication as a span in a trace (collectives.trace).
-        torch's collectives run in C++, so the hook is wrapped: the span runs from the
-        call of the hook to the completion of its future. Plain `ddp` then reduces
-        through torch's stock allreduce_hook (the same all-reduce, from Python)."""
+        observed: see when each bucket's communication runs. torch's collectives run in
+        C++, so the hook is wrapped: a bucket runs from the call of the hook to the
+        completion of its future; the intervals go to `self.bucket_intervals` and, when
+        tracing, into the trace as "bucket i" spans. Plain `ddp` then reduces through
+        torch's stock allreduce_hook (the same all-reduce, called from Python)."""
+        self.bucket_intervals = []  # (start ns, end ns) of each observed bucket
         if not dist.is_initialized():
             raise RuntimeError(f"{self.name} is torch's DDP: it needs torch.distributed "
                                "(backend gloo or nccl), not the mpi backend")
         wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-        state, hook = None, default_hooks.allreduce_hook if traced else None
+        state, hook = None, default_hooks.allreduce_hook if observed else None
         if self.name == "ddp-fp16":
             hook = default_hooks.fp16_compress_hook
         elif self.name == "ddp-bf16":
@@ -100,9 +102,24 @@ class TorchPeer:
             self.averager = averagers.PeriodicModelAverager(
                 period=self.period, warmup_steps=self.warmup_steps + self.period - 1)
         if hook is not None:
-            wrapped.register_comm_hook(state, _traced(hook) if traced else hook)
+            wrapped.register_comm_hook(state, self._observed(hook) if observed else hook)
         self.module = model
         return wrapped
+
+    def _observed(self, hook):
+        """`hook`, timed from its call to the completion of its future."""
+        def observed_hook(state, bucket):
+            started = time.perf_counter_ns()
+            index = bucket.index()
+            nbytes = bucket.buffer().numel() * bucket.buffer().element_size()
+
+            def finished(future):
+                ended = time.perf_counter_ns()
+                self.bucket_intervals.append((started, ended))
+                trace.add(f"bucket {index}", "comm", started, ended, bytes=nbytes)
+                return future.value()
+            return hook(state, bucket).then(finished)
+        return observed_hook
 
     def after_backward(self, model: torch.nn.Module) -> None:
         """Nothing: torch's DDP has finished its reduction inside backward()."""
@@ -113,19 +130,6 @@ class TorchPeer:
 
     def close(self) -> None:
         """Nothing in flight: every torch collective here is waited on inside the step."""
-
-
-def _traced(hook):
-    """`hook`, with a "bucket i" span from its call to the completion of its future."""
-    def traced_hook(state, bucket):
-        started = time.perf_counter_ns()
-        index, nbytes = bucket.index(), bucket.buffer().numel() * bucket.buffer().element_size()
-
-        def finished(future):
-            trace.add(f"bucket {index}", "comm", started, time.perf_counter_ns(), bytes=nbytes)
-            return future.value()
-        return hook(state, bucket).then(finished)
-    return traced_hook
 
 
 def is_peer(name: str) -> bool:

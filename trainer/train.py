@@ -25,7 +25,7 @@ from collectives import trace
 from . import checkpoint, data, torch_peers
 from .cli import create_sync, parse_args
 from .models import build_model
-from .timing import SentBytes, WaitClock
+from .timing import SentBytes, WaitClock, background_comm_seconds
 
 
 def fail(message: str) -> None:
@@ -65,13 +65,6 @@ def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, am
     return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / max(totals[1].item(), 1)
 
 
-def background_comm_seconds(ddp, strategy) -> float:
-    """Seconds the communication threads (the bucketer's, a strategy's) have been busy."""
-    workers = [getattr(getattr(ddp, "bucketer", None), "worker", None),
-               getattr(strategy, "worker", None)]
-    return sum(worker.busy_seconds for worker in workers if worker is not None)
-
-
 def main(argv=None) -> None:
     """Run training; a peer that fails ends the job with one line per rank, exit code 1."""
     try:
@@ -105,7 +98,7 @@ def train(argv=None) -> None:
     torch_peer = torch_peers.is_peer(args.sync)
     if torch_peer:
         try:
-            ddp = strategy.wrap(model, bucket_cap_mb=args.bucket_mb, traced=bool(args.trace))
+            ddp = strategy.wrap(model, bucket_cap_mb=args.bucket_mb, observed=bool(args.trace))
         except RuntimeError as error:
             fail(str(error))
     else:

@@ -11,8 +11,6 @@ summary reads: "step" (one training step), "compute" (forward, backward, optimiz
 "wait" (the training thread waiting on communication) and "comm" (a collective or a
 bucket, on whichever thread runs it).
 """
-from .record import (active, add, events_recorded_so_far, finish, merge, pause, resume, span,
-                     start)
+from .record import active, add, finish, merge, pause, resume, span, start, work_done
 
-__all__ = ["active", "add", "events_recorded_so_far", "finish", "merge", "pause", "resume",
-           "span", "start"]
+__all__ = ["active", "add", "finish", "merge", "pause", "resume", "span", "start", "work_done"]

@@ -8,7 +8,7 @@ tracing (`start(...)`, what `--trace DIR` does), spans are kept and written as a
 Chrome / Perfetto trace; when the user runs torch's profiler, spans also enter
 `torch.profiler.record_function`, so they show up in the user's own profile. When
 neither is on, `span()` returns one shared do-nothing context: no clock is read and
-nothing is stored (`events_recorded_so_far()` stays 0: tests count it).
+nothing is stored (`work_done()` stays 0: tests count it).
 
 Levels: 1 (the default) is steps, forward, backward, optimizer, waits and every
 bucket; 2 adds each algorithm's steps (ring step s: send to r+1, receive from r-1).
@@ -34,12 +34,14 @@ from typing import Dict, List, Optional
 import torch
 
 _NULL = contextlib.nullcontext()
-_events_recorded = 0  # spans kept by this process (stays 0 while tracing is off)
+_events_recorded = 0  # spans kept by this process
+_spans_made = 0  # span objects made (none while tracing and torch's profiler are off)
 
 
-def events_recorded_so_far() -> int:
-    """How many spans this process has kept: the count of trace work done."""
-    return _events_recorded
+def work_done() -> int:
+    """Trace work this process has done: span objects made plus events kept. It stays
+    0 while tracing is off (tests count it instead of timing it)."""
+    return _spans_made + _events_recorded
 
 
 class Recorder:
@@ -89,8 +91,10 @@ class _Span:
     __slots__ = ("name", "cat", "args", "start", "torch_range")
 
     def __init__(self, name: str, cat: str, args: Dict):
+        global _spans_made
         self.name, self.cat, self.args = name, cat, args
         self.torch_range = None
+        _spans_made += 1
 
     def __enter__(self):
         if _torch_profiling():

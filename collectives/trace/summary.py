@@ -3,13 +3,14 @@
 Definitions, per rank and traced step (a "step" span, from the first forward to the
 end of the strategy's after_step):
 
-    waited          the "wait" spans inside the step: the training thread could not go
-                    on until communication finished
+    waited          the "wait" spans inside the step, and collectives called on the
+                    training thread: it could not go on until communication finished
     computing       the step minus waited
-    communicating   the union of the "comm" spans (buckets, collectives, on any thread)
-                    inside the step
-    hidden          the share of communicating that ran while the training thread was
-                    computing, not waiting: 1 - overlap(comm, wait) / communicating
+    communicating   the union of the "comm" spans (buckets, collectives) inside the step
+                    on threads other than the training thread
+    hidden          the share of communicating that did not cost the training thread
+                    any time: 1 - waited / communicating, clipped at 0 (what
+                    trainer.bench reports as hidden_share, from the same measurements)
 
 The slowest rank is the one that computed longest per step (the others wait for it);
 "waited longest on" is the bucket that was last to finish during the training
@@ -48,19 +49,6 @@ def length(intervals: List[Interval]) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def overlap(first: List[Interval], second: List[Interval]) -> float:
-    """Total time in both (each a union: sorted, disjoint)."""
-    total, i, j = 0.0, 0, 0
-    while i < len(first) and j < len(second):
-        lo, hi = max(first[i][0], second[j][0]), min(first[i][1], second[j][1])
-        total += max(0.0, hi - lo)
-        if first[i][1] < second[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
-
-
 def clip(intervals: List[Interval], lo: float, hi: float) -> List[Interval]:
     return [(max(a, lo), min(b, hi)) for a, b in intervals if b > lo and a < hi]
 
@@ -73,12 +61,14 @@ class RankFigures:
     computing_ms: float = 0.0
     communicating_ms: float = 0.0
     waited_ms: float = 0.0
-    hidden_ms: float = 0.0
     waited_on: Dict[str, float] = field(default_factory=dict)  # bucket -> ms in all steps
 
     @property
     def hidden_share(self):
-        return self.hidden_ms / self.communicating_ms if self.communicating_ms else None
+        """None when the steps hardly communicate (under 1 ms per step)."""
+        if self.communicating_ms < 1:
+            return None
+        return max(0.0, 1 - self.waited_ms / self.communicating_ms)
 
     @property
     def waited_longest_on(self):
@@ -95,9 +85,14 @@ def figures(events: List[Dict]) -> Dict[str, Dict[int, RankFigures]]:
         by_rank[event["pid"]].append(event)
     result: Dict[str, Dict[int, RankFigures]] = defaultdict(dict)
     for rank, mine in sorted(by_rank.items()):
-        comm = union([(e["ts"], e["ts"] + e["dur"]) for e in mine if e["cat"] == "comm"])
+        training = {e["tid"] for e in mine if e["cat"] == "step"}
+        # A collective called on the training thread blocks it: that is waiting, and only
+        # communication on other threads can be hidden.
+        waits = [e for e in mine if e["cat"] == "wait"
+                 or (e["cat"] == "comm" and e["tid"] in training)]
+        comm = union([(e["ts"], e["ts"] + e["dur"]) for e in mine
+                      if e["cat"] == "comm" and e["tid"] not in training])
         buckets = [e for e in mine if e["cat"] == "comm" and e["name"].startswith("bucket")]
-        waits = [e for e in mine if e["cat"] == "wait"]
         for step in (e for e in mine if e["cat"] == "step"):
             lo, hi = step["ts"], step["ts"] + step["dur"]
             sync = step["args"].get("sync", "")
@@ -110,7 +105,6 @@ def figures(events: List[Dict]) -> Dict[str, Dict[int, RankFigures]]:
             row.waited_ms += length(waited) / 1e3
             row.computing_ms += (hi - lo - length(waited)) / 1e3
             row.communicating_ms += length(communicating) / 1e3
-            row.hidden_ms += (length(communicating) - overlap(communicating, waited)) / 1e3
             for wait in inside:  # which bucket finished last while we waited
                 end = wait["ts"] + wait["dur"]
                 finishing = [b for b in buckets if wait["ts"] <= b["ts"] + b["dur"] <= end + 1]
@@ -120,8 +114,7 @@ def figures(events: List[Dict]) -> Dict[str, Dict[int, RankFigures]]:
                                                    + wait["dur"] / 1e3)
     for ranks in result.values():
         for row in ranks.values():
-            for name in ("step_ms", "computing_ms", "communicating_ms", "waited_ms",
-                         "hidden_ms"):
+            for name in ("step_ms", "computing_ms", "communicating_ms", "waited_ms"):
                 setattr(row, name, getattr(row, name) / max(row.steps, 1))
     return dict(result)
 

@@ -1,0 +1,101 @@
+"""The timeline: traced runs give valid traces with the right spans; tracing off does no work."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from collectives.trace import summary
+from distributed import run_world
+
+TINY = ["--train-samples", "64", "--test-samples", "16", "--batch-size", "8", "--epochs", "1"]
+
+
+def _run(argv, timeout=200):
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def _inside(event, outer):
+    return outer["ts"] <= event["ts"] and event["ts"] + event["dur"] <= outer["ts"] + outer["dur"]
+
+
+@pytest.mark.timeout(240)
+def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
+    folder = tmp_path / "trace"
+    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
+          "trainer", *TINY, "--trace", str(folder), "--trace-steps", "2:3"])
+    merged = json.loads((folder / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in merged if e["name"] == "process_name"}
+    assert sorted(names) == [0, 1] and names[1].startswith("rank 1")
+    for rank in (0, 1):
+        offset = json.loads((folder / f"rank{rank}.json").read_text())["otherData"]
+        assert abs(offset["clock_offset_us"]) < 5000  # one machine: one clock, measured so
+        mine = [e for e in merged if e["pid"] == rank and e["ph"] == "X"]
+        steps = sorted((e for e in mine if e["cat"] == "step"), key=lambda e: e["ts"])
+        assert [s["args"]["step"] for s in steps] == [2, 3]
+        buckets = {e["name"] for e in mine if e["name"].startswith("bucket")}
+        assert len(buckets) >= 2  # ResNet-18: a small first bucket, then 25 MiB ones
+        for step in steps:
+            inside = [e for e in mine if _inside(e, step)]
+            kinds = [e["name"] for e in inside]
+            for expected in ("forward", "backward", "optimizer", "waiting on communication"):
+                assert kinds.count(expected) == 1, (expected, kinds)
+            assert {e["name"] for e in inside if e["name"].startswith("bucket")} == buckets
+            backward = next(e for e in inside if e["name"] == "backward")
+            first = min((e for e in inside if e["name"].startswith("bucket")),
+                        key=lambda e: e["ts"])
+            assert first["tid"] != step["tid"]  # on the communication thread
+            assert backward["ts"] < first["ts"] < backward["ts"] + backward["dur"]  # overlap
+            assert first["args"]["bytes"] > 0 and "queued_ms" in first["args"]
+    out = _run([sys.executable, "-m", "collectives.trace", str(folder)])
+    assert "allreduce: 2 traced step(s), 2 rank(s)" in out and "slowest rank:" in out
+    assert (folder / "timeline.png").stat().st_size > 10_000
+
+
+@pytest.mark.timeout(300)
+def test_the_summary_agrees_with_trainer_bench_on_the_hidden_share(tmp_path):
+    folder, rows = tmp_path / "trace", tmp_path / "bench.jsonl"
+    _run([sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync", "allreduce,ddp",
+          "--batch-size", "4", "--steps", "3", "--rounds", "1", "--warmup", "1",
+          "--trace", str(folder), "--trace-steps", "3", "--json", str(rows)], timeout=280)
+    bench = {row["sync"]: row for row in map(json.loads, rows.read_text().splitlines())}
+    traced = summary.figures(summary.load(str(folder)))
+    for sync in ("allreduce", "ddp"):
+        ranks = traced[sync]
+        assert sorted(ranks) == [0, 1] and all(r.steps == 3 for r in ranks.values())
+        mean_hidden = sum(r.hidden_share for r in ranks.values()) / 2
+        # same definition, measured once by the bench's counters and once from spans
+        assert abs(mean_hidden - bench[sync]["hidden_share"]) < 0.05, (sync, mean_hidden,
+                                                                        bench[sync])
+
+
+def train_a_few_steps(comm, folder):
+    """3 steps untraced, then 1 traced: the trace work done after each."""
+    import torch
+    import torch.nn.functional as F
+    import collectives
+    from collectives import trace
+    torch.manual_seed(0)
+    model = collectives.DistributedDataParallel(torch.nn.Sequential(
+        torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4)), comm=comm,
+        bucket_cap_mb=0.0001)
+
+    def step():
+        F.cross_entropy(model(torch.randn(4, 8)), torch.tensor([0, 1, 2, 3])).backward()
+
+    for _ in range(3):
+        step()
+    off = trace.work_done()
+    trace.start(comm, folder)
+    step()
+    trace.finish(comm)
+    return off, trace.work_done()
+
+
+@pytest.mark.timeout(120)
+def test_tracing_off_does_no_trace_work(tmp_path):
+    for off, on in run_world(train_a_few_steps, 2, args=(str(tmp_path),), timeout=100):
+        assert off == 0
+        assert on > 0  # the same steps traced: spans for the buckets and the collectives
