@@ -100,6 +100,10 @@ def test_eval_only_reports_the_checkpoints_accuracy(tmp_path):
     (["--dataset", "mnist", "--data-dir", "missing"],
      "--dataset mnist: nothing at missing/MNIST/raw/train-images-idx3-ubyte"),
     (["--resume", "nowhere.pt"], "--resume nowhere.pt: no such checkpoint file"),
+    (["--sync", "ddp", "--backend", "mpi"], "--sync ddp is torch's DDP: it runs on "
+                                             "torch.distributed"),
+    (["--sync", "ddp-fp16", "--sync-option", "period=2"], "ddp-fp16 takes no option(s) period"),
+    (["--trace", "t", "--trace-steps", "4:2"], "need 1 <= FIRST <= LAST"),
 ])
 def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path):
     result = run(trainer(*flags, "--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"), tmp_path,
