@@ -55,16 +55,11 @@ from .models import ARCHITECTURES, build_model
 from .timing import SentBytes, WaitClock, background_comm_seconds
 
 
-def _slowest(comm, values):
-    """Each value maximised over the ranks (the slowest rank's time, the busiest's bytes)."""
+def _over_ranks(comm, values, op):
+    """Each value reduced over the ranks with `op`: "max" gives the slowest rank's time
+    or the busiest rank's bytes, "sum" a total."""
     value = torch.tensor(values, dtype=torch.float64)
-    comm.native_all_reduce(value, "max")
-    return value.tolist()
-
-
-def _summed(comm, values):
-    value = torch.tensor(values, dtype=torch.float64)
-    comm.native_all_reduce(value, "sum")
+    comm.native_all_reduce(value, op)
     return value.tolist()
 
 
@@ -175,10 +170,10 @@ class Variant:
         # training thread (periodic ones and powersgd communicate on it: all waited).
         seen = self.period == 1 and self.communicating > 0
         hidden = (max(0.0, 1 - self.waited / self.communicating) if seen else 0.0)
-        step, compute, waited, sent, communicating = _slowest(comm, [
+        step, compute, waited, sent, communicating = _over_ranks(comm, [
             mean(self.samples["step"]), mean(self.samples["compute"]), self.waited / steps,
-            self.sent_bytes / steps, self.communicating / steps])
-        (hidden_sum,) = _summed(comm, [hidden])  # each rank's share, averaged
+            self.sent_bytes / steps, self.communicating / steps], "max")
+        (hidden_sum,) = _over_ranks(comm, [hidden], "sum")  # each rank's share, averaged
         row = dict(sync=self.name, world_size=comm.world_size, model=args.model,
                    batch_size=args.batch_size,
                    images_per_s=comm.world_size * args.batch_size / step,

@@ -38,8 +38,9 @@ class WaitClock:
         self.waited = 0.0
         self.in_hooks = 0.0  # the part of `waited` spent in blocking() sections
         self._last_ready: Optional[int] = None  # perf_counter_ns of the last gradient
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
-                       for p in model.parameters() if p.requires_grad]
+        for p in model.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._ready)
 
     def _ready(self, param: torch.Tensor) -> None:
         self._last_ready = time.perf_counter_ns()
@@ -68,10 +69,6 @@ class WaitClock:
 
     def reset(self) -> None:
         self.waited = self.in_hooks = 0.0
-
-    def remove(self) -> None:
-        for hook in self._hooks:
-            hook.remove()
 
 
 def tcp_bytes_sent() -> Optional[int]:

@@ -3,8 +3,8 @@
 Definitions, per rank and traced step (a "step" span, from the first forward to the
 end of the strategy's after_step):
 
-    waited          the "wait" spans inside the step, and collectives called on the
-                    training thread: it could not go on until communication finished
+    waited          the "wait" spans inside the step: the training thread could not go
+                    on until communication finished
     computing       the step minus waited
     communicating   the union of the "comm" spans (buckets, collectives) inside the step
                     on threads other than the training thread
@@ -86,10 +86,10 @@ def figures(events: List[Dict]) -> Dict[str, Dict[int, RankFigures]]:
     result: Dict[str, Dict[int, RankFigures]] = defaultdict(dict)
     for rank, mine in sorted(by_rank.items()):
         training = {e["tid"] for e in mine if e["cat"] == "step"}
-        # A collective called on the training thread blocks it: that is waiting, and only
-        # communication on other threads can be hidden.
-        waits = [e for e in mine if e["cat"] == "wait"
-                 or (e["cat"] == "comm" and e["tid"] in training)]
+        # Only communication on other threads can be hidden. Waiting is what the wait
+        # spans say (as trainer.bench counts it); a collective that blocks the training
+        # thread outside them (DDP's small buffer broadcast in forward) is left out of both.
+        waits = [e for e in mine if e["cat"] == "wait"]
         comm = union([(e["ts"], e["ts"] + e["dur"]) for e in mine
                       if e["cat"] == "comm" and e["tid"] not in training])
         buckets = [e for e in mine if e["cat"] == "comm" and e["name"].startswith("bucket")]
