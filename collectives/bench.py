@@ -19,6 +19,11 @@ schedule (2(n-1) sendrecv steps of one chunk each) with no reduction, which is t
 practical limit of any ring on this transport. `handshake` is the argument check that
 collectives.all_reduce runs before each call unless check=False; it is timed alone.
 
+Through torch.distributed (`--torch-api`, all-reduce only), three more rows: `api`
+(collectives.all_reduce as a user calls it, auto and the argument check included),
+`torch:collectives` (dist.all_reduce on a group of this project's torch.distributed
+backend, which makes that same call) and `torch:gloo` (dist.all_reduce on gloo's own).
+
 On the emulated cluster (`python -m collectives.cluster ... -- python -m
 collectives.bench`) two columns are added: `link`, the busbw the links allow (each
 link's rate each way: a bandwidth-optimal flat algorithm cannot beat it), and `nic`,
@@ -52,6 +57,7 @@ BUS_FACTOR = {  # busbw / algbw, as nccl-tests
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16,
           "bfloat16": torch.bfloat16, "int32": torch.int32, "int64": torch.int64}
 UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+TORCH_API_ROWS = ("api", "torch:collectives", "torch:gloo")  # --torch-api
 
 
 def parse_size(text: str) -> int:
@@ -87,6 +93,7 @@ class Runner:
         self.min_iters, self.seconds_per_row, self.trials = min_iters, seconds_per_row, trials
         self.nic_bytes_per_call = None  # on the emulated cluster: the busiest host's NIC
         self.trace_calls = 0  # --trace: calls traced per row
+        self.torch_groups = {}  # --torch-api: row name -> torch.distributed group
 
     def _slowest(self, seconds: float) -> float:
         value = torch.tensor([seconds], dtype=torch.float64)
@@ -166,6 +173,8 @@ class Runner:
                 for _ in range(2 * (n - 1)):
                     comm.sendrecv(send, right, receive, left)
             return step, 0
+        if op == "all_reduce" and algorithm in TORCH_API_ROWS:
+            return self._build_torch_api(algorithm, count)
         if op == "handshake":
             return (lambda: api.agree_on_call(comm, "all_reduce", zeros, "sum", "ring")), 0
         if op == "all_reduce":
@@ -199,6 +208,36 @@ class Runner:
         raise ValueError(f"unknown op {op}")
 
 
+    def _build_torch_api(self, row: str, count: int):
+        """An all-reduce as a user's script makes it: ours, or torch.distributed's."""
+        import torch.distributed as dist
+        n, rank, dtype = self.comm.world_size, self.comm.rank, self.dtype
+        if row == "api":
+            def reduce(tensor):
+                api.all_reduce(tensor, "sum", "auto", self.comm)
+        else:
+            group = self.torch_groups[row]
+
+            def reduce(tensor):
+                dist.all_reduce(tensor, group=group)
+        data = _pattern(rank, count, dtype)
+        reduce(data)
+        expected = (torch.arange(count) % 7) * n + n * (n - 1) // 2
+        wrong = int((data.double() != expected.double()).sum())
+        zeros = torch.zeros(count, dtype=dtype)
+        return (lambda: reduce(zeros)), wrong
+
+
+def torch_api_groups() -> Dict:
+    """--torch-api: a group of the collectives backend and one of gloo, over all ranks
+    (torch.distributed is initialised: init() made its gloo group)."""
+    import torch.distributed as dist
+    from . import torch_backend
+    torch_backend.register()
+    return {"torch:collectives": dist.new_group(backend=torch_backend.NAME),
+            "torch:gloo": dist.new_group(backend="gloo")}
+
+
 def _gbps(value: float) -> str:
     return f"{value:>7.3f}" if value >= 0.1 else f"{value:>7.4f}"  # slow links: 4 decimals
 
@@ -224,6 +263,8 @@ def header(on_cluster: bool) -> str:
 
 def run_benchmark(comm, args) -> List[Dict]:
     runner = Runner(comm, DTYPES[args.dtype], args.min_iters, args.seconds_per_row, args.trials)
+    if args.torch_api:
+        runner.torch_groups = torch_api_groups()
     if args.trace:
         runner.trace_calls = args.trace_steps
         trace.start(comm, args.trace, level=args.trace_level, recording=False)
@@ -239,6 +280,8 @@ def run_benchmark(comm, args) -> List[Dict]:
     for op in args.ops:
         wanted = [a for a in args.algorithms if a in algorithms.names(op) or
                   (a == "p2p-ring" and op == "all_reduce")]
+        if args.torch_api and op == "all_reduce":
+            wanted += list(TORCH_API_ROWS)
         for nbytes in args.sizes:
             for algorithm in wanted:
                 row = runner.measure(op, algorithm, nbytes)
@@ -300,6 +343,9 @@ def parser() -> argparse.ArgumentParser:
                    default=["ring", "halving-doubling", "tree", "naive", "native", "auto",
                             "p2p-ring"],
                    help="comma list; each op runs the ones it has (default: all)")
+    p.add_argument("--torch-api", action="store_true",
+                   help="add all-reduce rows through torch.distributed: api, "
+                        "torch:collectives, torch:gloo (gloo backend only)")
     p.add_argument("--dtype", default="float32", choices=list(DTYPES))
     p.add_argument("--min-iters", type=int, default=3,
                    help="timed calls per trial at least (default 3)")
@@ -330,6 +376,8 @@ def validate(p: argparse.ArgumentParser, args) -> None:
     for name in args.algorithms:
         if name not in known:
             p.error(f"unknown algorithm {name!r}: choose from {', '.join(sorted(known))}")
+    if args.torch_api and args.backend not in ("auto", "gloo"):
+        p.error("--torch-api compares with torch's gloo: use --backend gloo")
     if args.nproc is not None and args.nproc < 1:
         p.error(f"--nproc must be at least 1, got {args.nproc}")
     if args.min_iters < 1 or args.trials < 1:

@@ -160,6 +160,19 @@ def _with_shared_memory(comm: Transport, wanted: Optional[bool]) -> Transport:
     return connected
 
 
+def with_routes(comm: Transport, shm: Union[None, bool, str] = None) -> Transport:
+    """Learn which ranks share a host, then take shared memory between them where
+    possible (shm: see init). Collective: every rank of `comm` calls it."""
+    if comm.world_size == 1:
+        return comm
+    try:
+        shm_wanted = want_shm(shm)
+    except ValueError as error:
+        raise LaunchError(f"COLLECTIVES_SHM / init(shm=...): {error}") from None
+    comm.topology = Topology.exchange(comm)  # which ranks share a host
+    return _with_shared_memory(comm, shm_wanted)
+
+
 def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
          device: Optional[Union[str, torch.device]] = None,
          shm: Union[None, bool, str] = None) -> Transport:
@@ -176,7 +189,7 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
     timeout = _as_timedelta(timeout)
     backend = resolve_backend(backend)
     try:
-        shm_wanted = want_shm(shm)
+        want_shm(shm)  # a bad setting fails here, before any rendezvous
     except ValueError as error:
         raise LaunchError(f"COLLECTIVES_SHM / init(shm=...): {error}") from None
     mpi_size = _mpi_world().Get_size() if backend == "mpi" else None
@@ -209,9 +222,7 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
                                 world_size=info.world_size, timeout=timeout)
         comm = TorchDistTransport(backend, info.rank, info.world_size, info.local_rank,
                                   device, timeout)
-    if comm.world_size > 1:
-        comm.topology = Topology.exchange(comm)  # which ranks share a host
-    comm = _with_shared_memory(comm, shm_wanted)
+    comm = with_routes(comm, shm)
     _default = comm
     _install_exit_hooks()
     return comm
@@ -252,10 +263,7 @@ def adopt_torch_group(group=None, timeout: Union[None, float, timedelta] = None,
               else torch.device("cpu"))
     comm: Transport = TorchDistTransport(backend, rank, size, info.local_rank, device,
                                          _as_timedelta(timeout), group, owns_group=False)
-    if size > 1:
-        comm.topology = Topology.exchange(comm)
-        comm = _with_shared_memory(comm, want_shm(shm))
-    return comm
+    return with_routes(comm, shm)
 
 
 def _close_at_exit() -> None:

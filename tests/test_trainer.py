@@ -63,7 +63,7 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     # not depend on --epochs: a constant schedule. (A run killed and resumed with the
     # same command, cosine schedule included, is tests/fault_injection.py's resume case.)
     mpirun = find_mpirun()[0]
-    flags = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16",
+    flags = ["--train-samples", "32", "--test-samples", "16", "--batch-size", "8",
              "--backend", "gloo", "--schedule", "constant"]
     run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "2", "--checkpoint-dir", "straight")],
         tmp_path)
@@ -118,7 +118,9 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_mixed_precision_runs(amp, tmp_path):
-    out = run(trainer(*TINY, "--amp", amp, "--metrics", "m.jsonl"), tmp_path)
+    # One step and one test batch: autocast on the CPU is slow (16-bit convolutions)
+    out = run(trainer("--train-samples", "16", "--test-samples", "16", "--batch-size", "16",
+                      "--epochs", "1", "--amp", amp, "--metrics", "m.jsonl"), tmp_path)
     (record,) = read_metrics(tmp_path / "m.jsonl")
     assert record["train_loss"] == record["train_loss"], "loss is NaN"  # NaN != NaN
     assert "done in" in out.stdout

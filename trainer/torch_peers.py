@@ -5,6 +5,9 @@ use: torch's DistributedDataParallel with its stock comm hooks. Each peer here i
 torch's code, configured to compute what our strategy of the same idea computes:
 
     ddp            DistributedDataParallel, plain               ours: allreduce
+    ddp-collectives  the same DDP, its all-reduces through this
+                   project's torch.distributed backend
+                   (collectives/torch_backend/)                  ours: allreduce
     ddp-fp16       + fp16_compress_hook                          ours: fp16
     ddp-bf16       + bf16_compress_hook                          ours: bf16
     ddp-powersgd   + powerSGD_hook (rank 2, warm start,
@@ -43,7 +46,7 @@ from torch.distributed.algorithms.model_averaging import averagers
 from collectives import trace
 
 # peer name -> the name of our strategy that computes the same thing
-OURS = {"ddp": "allreduce", "ddp-fp16": "fp16", "ddp-bf16": "bf16",
+OURS = {"ddp": "allreduce", "ddp-collectives": "allreduce", "ddp-fp16": "fp16", "ddp-bf16": "bf16",
         "ddp-powersgd": "powersgd", "ddp-localsgd": "local-sgd"}
 NAMES = list(OURS)
 
@@ -82,8 +85,14 @@ class TorchPeer:
         if not dist.is_initialized():
             raise RuntimeError(f"{self.name} is torch's DDP: it needs torch.distributed "
                                "(backend gloo or nccl), not the mpi backend")
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-        state, hook = None, default_hooks.allreduce_hook if observed else None
+        group = None  # torch's default group: gloo (or nccl)
+        if self.name == "ddp-collectives":
+            from collectives import torch_backend
+            torch_backend.register()
+            group = dist.new_group(backend=torch_backend.NAME)
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
+                                                            process_group=group)
+        state, hook = group, default_hooks.allreduce_hook if observed else None
         if self.name == "ddp-fp16":
             hook = default_hooks.fp16_compress_hook
         elif self.name == "ddp-bf16":

@@ -32,10 +32,11 @@ import torch
 
 from .topology import Topology
 
-REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
 # The ops an algorithm itself performs. "avg" is "sum" followed by one division,
-# done once in api.py so that every algorithm divides the same way.
-ALGORITHM_OPS = ("sum", "max", "min", "product")
+# done once in api.py so that every algorithm divides the same way. band, bor and
+# bxor (bitwise and, or, xor) take integer tensors only.
+ALGORITHM_OPS = ("sum", "max", "min", "product", "band", "bor", "bxor")
 
 
 @dataclass
@@ -169,7 +170,8 @@ def nbytes(tensor: torch.Tensor) -> int:
 # Each op's out-of-place torch function: reduce_into writes into the accumulator, or
 # (shared memory) straight into an outgoing message.
 COMBINE = {"sum": torch.add, "max": torch.maximum, "min": torch.minimum,
-           "product": torch.mul}
+           "product": torch.mul, "band": torch.bitwise_and, "bor": torch.bitwise_or,
+           "bxor": torch.bitwise_xor}
 
 
 def reduce_into(accumulator: torch.Tensor, incoming: torch.Tensor, op: str,

@@ -85,7 +85,8 @@ class _MpiHandle(Handle):
         return self.request.Test()  # also lets MPI move the message along
 
 
-_MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PROD"}
+_MPI_OPS = {"sum": "SUM", "avg": "SUM", "max": "MAX", "min": "MIN", "product": "PROD",
+            "band": "BAND", "bor": "BOR", "bxor": "BXOR"}
 
 
 class MpiTransport(Transport):

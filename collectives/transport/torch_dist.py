@@ -8,6 +8,12 @@ layer over its point-to-point calls. Two backend facts shape it:
 - nccl moves CUDA tensors only, and a send and a receive must be issued together
   (`batch_isend_irecv`) or two ranks that both send first can deadlock.
 
+gloo's calls go straight to the group's own object (`ProcessGroup.send`, ...), with
+group ranks. So the same code serves a group torch.distributed knows (made by
+`init_process_group` or `new_group`) and a gloo instance torch never registered: the
+torch.distributed backend of this project (torch_backend/) builds one per group
+from the store torch hands it (`TorchDistTransport.over_store`).
+
 A failed or timed-out wait is re-raised as PeerError naming the peer.
 """
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch.distributed as dist
 from .base import Handle, PeerError, Transport
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN,
-              "product": dist.ReduceOp.PRODUCT}
+              "product": dist.ReduceOp.PRODUCT, "band": dist.ReduceOp.BAND,
+              "bor": dist.ReduceOp.BOR, "bxor": dist.ReduceOp.BXOR}
 
 
 # The dtypes gloo's collectives take (int16, for one, is refused: "Invalid scalar type").
@@ -48,17 +55,41 @@ class TorchDistTransport(Transport):
 
     def __init__(self, backend: str, rank: int, world_size: int, local_rank: int,
                  device: torch.device, timeout: timedelta, group=None,
-                 owns_group: bool = True):
+                 owns_group: bool = True, store=None):
         super().__init__(rank, world_size, local_rank, device, timeout)
         self.backend = backend
         self.device_tensors_ok = backend == "nccl"
         self.group = group  # None: the default process group
-        # torch addresses peers by their rank in the default group; ours are group ranks
-        self.global_ranks = (list(range(world_size)) if group is None
+        # The object whose methods move the bytes (see `pg`): the group's own, or
+        # (over_store) a gloo instance of ours that torch.distributed does not know.
+        self._pg = group
+        self.store = store  # set only for a gloo instance of ours: duplicates come from it
+        self.duplicates = 0
+        # nccl's batch_isend_irecv addresses peers by their rank in the default group
+        self.global_ranks = (list(range(world_size)) if group is None or store is not None
                              else dist.get_process_group_ranks(group))
         # A group the user's script made (adopted, see bootstrap.adopt_torch_group) is
         # theirs to destroy; one made by init() is ours.
         self.owns_group = owns_group
+
+    @property
+    def pg(self):
+        """The process group object itself. The default group is looked up on each use,
+        never held: a reference kept past destroy_process_group() would let it be
+        destroyed only during the interpreter's teardown, and abort the process."""
+        return self._pg if self._pg is not None else dist.distributed_c10d._get_default_group()
+
+    @classmethod
+    def over_store(cls, store, rank: int, world_size: int, local_rank: int,
+                   timeout: timedelta, prefix: str = "collectives") -> "TorchDistTransport":
+        """gloo on an instance of our own, built from a torch.distributed store (every
+        rank of the group calls this with the same store and prefix)."""
+        gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/", store), rank,
+                                     world_size, timeout)
+        transport = cls("gloo", rank, world_size, local_rank, torch.device("cpu"), timeout,
+                        group=gloo, owns_group=False, store=store)
+        transport.prefix = prefix
+        return transport
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
         if self.backend == "nccl":
@@ -66,7 +97,7 @@ class TorchDistTransport(Transport):
                                                       self.global_ranks[dst],
                                                       group=self.group)])[0]
         else:
-            work = dist.isend(tensor, self.global_ranks[dst], group=self.group)
+            work = self.pg.send([tensor], dst, 0)
         return _TorchHandle(work, f"send to rank {dst}", self.timeout)
 
     def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
@@ -75,7 +106,7 @@ class TorchDistTransport(Transport):
                                                       self.global_ranks[src],
                                                       group=self.group)])[0]
         else:
-            work = dist.irecv(tensor, self.global_ranks[src], group=self.group)
+            work = self.pg.recv([tensor], src, 0)
         return _TorchHandle(work, f"receive from rank {src}", self.timeout)
 
     def sendrecv(self, send_tensor, dst, recv_tensor, src) -> None:
@@ -91,14 +122,18 @@ class TorchDistTransport(Transport):
             _TorchHandle(work, f"sendrecv with ranks {dst}/{src}", self.timeout).wait()
 
     def barrier(self) -> None:
-        _TorchHandle(dist.barrier(group=self.group, async_op=True), "barrier", self.timeout).wait()
+        _TorchHandle(self.pg.barrier(dist.BarrierOptions()), "barrier", self.timeout).wait()
+
+    def _all_reduce_work(self, tensor: torch.Tensor, op):
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        return self.pg.allreduce([tensor], options)
 
     def _native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         if op == "avg" and self.backend == "nccl" and tensor.is_floating_point():
-            work = dist.all_reduce(tensor, dist.ReduceOp.AVG, group=self.group, async_op=True)
+            work = self._all_reduce_work(tensor, dist.ReduceOp.AVG)
             return _TorchHandle(work, "native all_reduce", self.timeout).wait()
-        work = dist.all_reduce(tensor, _TORCH_OPS["sum" if op == "avg" else op],
-                               group=self.group, async_op=True)
+        work = self._all_reduce_work(tensor, _TORCH_OPS["sum" if op == "avg" else op])
         _TorchHandle(work, "native all_reduce", self.timeout).wait()
         if op == "avg":  # gloo has no AVG: sum, then divide (floor for integers)
             if tensor.is_floating_point():
@@ -109,10 +144,16 @@ class TorchDistTransport(Transport):
     def _native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         if self.backend == "gloo" and tensor.dtype not in _GLOO_DTYPES:
             tensor = tensor.view(torch.uint8)  # a broadcast copies bytes: any dtype will do
-        work = dist.broadcast(tensor, self.global_ranks[src], group=self.group, async_op=True)
+        options = dist.BroadcastOptions()
+        options.rootRank = src
+        work = self.pg.broadcast([tensor], options)
         _TorchHandle(work, f"native broadcast from rank {src}", self.timeout).wait()
 
     def _duplicate(self) -> "TorchDistTransport":
+        if self.store is not None:  # a gloo instance of ours: another one beside it
+            self.duplicates += 1
+            return self.over_store(self.store, self.rank, self.world_size, self.local_rank,
+                                   self.timeout, f"{self.prefix}/dup{self.duplicates}")
         # Only this group's members call this (use_local_synchronization), so a
         # communicator over a subgroup can be duplicated without the other ranks.
         group = dist.new_group(self.global_ranks, backend=self.backend, timeout=self.timeout,
@@ -121,6 +162,9 @@ class TorchDistTransport(Transport):
                                   self.device, self.timeout, group, owns_group=False)
 
     def close(self) -> None:
+        if self.store is not None:
+            self._pg = self.group = None  # a gloo instance of ours: let it go now
+            return
         if self.group is not None or not self.owns_group:
             return  # a duplicate (its group goes with the default one), or the user's
         if dist.is_initialized():

@@ -1,0 +1,104 @@
+"""`init_process_group("collectives")`: our algorithms under torch.distributed.
+
+    import torch.distributed as dist
+    dist.init_process_group("collectives")   # under torchrun (or any env:// launch)
+    dist.all_reduce(tensor)                   # runs our all-reduce (auto: ring, ...)
+    model = torch.nn.parallel.DistributedDataParallel(model)   # torch's own DDP, on ours
+
+No import is needed: this package declares an entry point in torch's
+`torch.distributed.backends` group, where torch looks up a backend name it does not
+know. `register()` does the same by hand (e.g. when the package is on sys.path but not
+installed).
+
+torch creates one backend object per process group (`new_group` too) and calls it with
+torch's argument shapes; backend.py maps each call to ours and work.py runs them, in
+order, on one thread per group. Tensors on the CPU only (devices=["cpu"]).
+
+An `mpi` for PyPI torch. torch's wheels are built without MPI, so a script that says
+`dist.init_process_group("mpi")` fails on them. Opting in makes that name run on this
+project's mpi4py transport under mpirun:
+
+    COLLECTIVES_TORCH_MPI=1 mpirun -np 4 python script.py      # no change to the script
+    collectives.torch_backend.use_for_mpi()                    # or this, before init
+
+What differs from torch built with MPI: CPU tensors only; collectives run our
+algorithms over MPI point-to-point (MPI's own all-reduce is the `native` algorithm:
+COLLECTIVES_ALGORITHM=native); ranks on one host talk through shared memory
+(COLLECTIVES_SHM=off to stop it); rank and world size come from MPI, as with torch's.
+
+Settings (environment): COLLECTIVES_ALGORITHM (an all-reduce algorithm, used by the
+other collectives where they have one of that name), COLLECTIVES_SHM (auto, on, off).
+"""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .backend import CollectivesBackend
+from .routes import gloo_channels, mpi_channels
+
+NAME = "collectives"
+MPI_OPT_IN = "COLLECTIVES_TORCH_MPI"
+
+
+def _create(options, backend_options=None) -> CollectivesBackend:
+    """torch's call for each new group of "collectives": gloo route (routes.py)."""
+    comm, p2p = gloo_channels(options.store, options.group_rank, options.group_size,
+                              options.timeout)
+    return CollectivesBackend(options.group_rank, options.group_size, comm, p2p,
+                              options.timeout)
+
+
+def register() -> None:
+    """Make "collectives" a torch.distributed backend (the entry point calls this)."""
+    dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
+
+
+def _default_mpi_group(timeout: timedelta) -> dist.ProcessGroup:
+    """The default group of init_process_group("mpi"): torch passes rank = size = -1
+    and no store (MPI knows them), so the group is built here from MPI's world, with
+    a TCP store of its own for whatever in torch needs one."""
+    from ..bootstrap import _rendezvous_address
+    from ..launch import detect_launch
+    from ..transport.mpi import mpi
+    world = mpi().COMM_WORLD
+    rank, size = world.Get_rank(), world.Get_size()
+    host, port = _rendezvous_address(detect_launch(mpi_world_size=size))
+    store = dist.TCPStore(host, port, size, rank == 0, timeout)
+    comm, p2p = mpi_channels([], timeout)
+    group = dist.ProcessGroup(store, rank, size)
+    backend = CollectivesBackend(rank, size, comm, p2p, timeout, name="mpi")
+    kind = dist.ProcessGroup.BackendType.CUSTOM
+    group._register_backend(torch.device("cpu"), kind, backend)
+    group._set_default_backend(kind)
+    return group
+
+
+def _create_mpi(options, backend_options=None):
+    if options.group_size == -1:
+        return _default_mpi_group(options.timeout)
+    comm, p2p = mpi_channels(list(options.global_ranks_in_group), options.timeout)
+    return CollectivesBackend(options.group_rank, options.group_size, comm, p2p,
+                              options.timeout, name="mpi")
+
+
+def use_for_mpi() -> None:
+    """Run `init_process_group("mpi")` on this project's mpi4py transport (explicit
+    opt-in: a torch built with MPI keeps its own unless this is called)."""
+    dist.Backend.register_backend("mpi", _create_mpi, extended_api=True, devices=["cpu"])
+
+
+def _mpi_entry_point() -> None:
+    """torch asks for "mpi" here only when it was built without MPI."""
+    if os.environ.get(MPI_OPT_IN, "").strip().lower() not in ("1", "on", "true", "yes"):
+        raise RuntimeError(
+            "this torch was built without MPI. collectives can run init_process_group"
+            f"(\"mpi\") on mpi4py: set {MPI_OPT_IN}=1 (e.g. {MPI_OPT_IN}=1 mpirun -np 4 "
+            "python script.py), or call collectives.torch_backend.use_for_mpi() first")
+    use_for_mpi()
+
+
+__all__ = ["CollectivesBackend", "NAME", "register", "use_for_mpi"]

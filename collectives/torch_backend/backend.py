@@ -1,0 +1,294 @@
+"""The backend object torch.distributed calls: each of its collectives, mapped to ours.
+
+torch.distributed calls these methods with its own argument shapes (lists of tensors,
+an options object); each one here unpacks them, queues the collective on the group's
+worker (work.py) and returns the Work. On the worker the collective runs through the
+public API (api.py): the same argument checks, the same handshake that makes ranks
+which disagree raise on every rank instead of exchanging garbage, the same algorithms
+(`auto` unless COLLECTIVES_ALGORITHM names one).
+
+What torch asks for that our algorithms do not do directly:
+
+    reduce          an all-reduce into scratch memory on every rank but the root
+    gather/scatter  the root receives from (sends to) each rank in turn
+    premul_sum      every rank scales its tensor by the factor, then a sum
+    reduce_scatter  torch leaves the input unchanged; ours uses it as scratch, so it
+                    works on a copy
+    send/recv       the user's channel (routes.py), with torch's tags; a receive
+                    from any source (recv without src) is not offered
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import weakref
+from datetime import timedelta
+from typing import Callable, List
+
+import torch
+import torch.distributed as dist
+
+from .. import algorithms, api
+from ..bootstrap import EXIT_GRACE_SECONDS
+from ..transport import Transport
+from .work import Work, Worker
+
+_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
+        dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product",
+        dist.ReduceOp.BAND: "band", dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor"}
+
+
+def reduce_op(op) -> tuple:
+    """(our op name, premul factor or None) for torch's ReduceOp."""
+    kind = getattr(op, "op", op)  # a ReduceOp, or already its RedOpType
+    if kind == dist.ReduceOp.PREMUL_SUM:
+        return "sum", op.factor
+    if kind not in _OPS:
+        raise ValueError(f"reduce op {kind} is not supported by the collectives backend")
+    return _OPS[kind], None
+
+
+def chosen_algorithm(collective: str) -> str:
+    """COLLECTIVES_ALGORITHM where it names one of this collective's algorithms, else auto."""
+    wanted = os.environ.get("COLLECTIVES_ALGORITHM", "auto").strip() or "auto"
+    if wanted not in algorithms.names("all_reduce"):
+        raise ValueError(f"COLLECTIVES_ALGORITHM={wanted!r}: choose from "
+                         f"{', '.join(algorithms.names('all_reduce'))}")
+    return wanted if wanted in algorithms.names(collective) else "auto"
+
+
+def _pieces(tensor: torch.Tensor, splits: List[int], n: int) -> List[torch.Tensor]:
+    """A tensor cut along dim 0 into n flat pieces (equal when `splits` is empty)."""
+    rows = tensor.shape[0] if tensor.dim() else 1
+    if not splits:
+        if rows % n:
+            raise ValueError(f"all_to_all_single: dim 0 ({rows}) does not divide into "
+                             f"{n} equal splits")
+        splits = [rows // n] * n
+    if len(splits) != n or sum(splits) != rows:
+        raise ValueError(f"all_to_all_single: splits {list(splits)} do not cut dim 0 "
+                         f"({rows}) into {n} pieces")
+    row = tensor.numel() // rows if rows else 0
+    flat, pieces, start = tensor.view(-1), [], 0
+    for count in splits:
+        pieces.append(flat[start * row:(start + count) * row])
+        start += count
+    return pieces
+
+
+class CollectivesBackend(dist._Backend):
+    """One process group of the "collectives" backend (or of "mpi", see use_for_mpi)."""
+
+    def __init__(self, rank: int, size: int, comm: Transport, p2p, timeout: timedelta,
+                 name: str = "collectives"):
+        super().__init__(rank, size)
+        self.comm, self.p2p, self.timeout, self.backend_name = comm, p2p, timeout, name
+        self.worker = Worker(f"{name} backend, group of {size}", timeout)
+        _live.add(self)
+
+    def getBackendName(self) -> str:
+        return self.backend_name
+
+    # torch reads these on any backend; left undefined on a subclass they recurse
+    supports_coalescing = property(lambda self: False)
+    supports_splitting = property(lambda self: False)
+    supports_tensor_alloc = property(lambda self: False)
+    supports_time_estimate = property(lambda self: False)
+    supports_window = property(lambda self: False)
+    supports_shrinking = property(lambda self: False)
+    supports_reconfigure = property(lambda self: False)
+
+    def _submit(self, what: str, run: Callable[[], None], outputs: List[torch.Tensor],
+                opts=None) -> Work:
+        """Hand `run` to the worker; a blocking call (opts.asyncOp False) may run here."""
+        if self.worker is None:
+            raise RuntimeError(f"{what}: this process group was destroyed")
+        return self.worker.submit(what, run, outputs,
+                                  inline=not getattr(opts, "asyncOp", True))
+
+    # --- reductions ------------------------------------------------------------------------
+    def _all_reduce_in_place(self, tensor: torch.Tensor, torch_op) -> None:
+        op, factor = reduce_op(torch_op)
+        if factor is not None:
+            tensor.mul_(factor)
+        api.all_reduce(tensor, op, chosen_algorithm("all_reduce"), self.comm)
+
+    def allreduce(self, tensors, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        reduce_op(op)  # a bad op fails in the caller, not on the worker
+        return self._submit("all_reduce", lambda: [self._all_reduce_in_place(t, op)
+                                                   for t in tensors], list(tensors), opts=opts)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+
+        def run():
+            if factor is not None:
+                for tensor in tensors:
+                    tensor.mul_(factor)
+            api.all_reduce_coalesced(tensors, op, chosen_algorithm("all_reduce"), self.comm)
+        return self._submit("all_reduce_coalesced", run, list(tensors), opts=opts)
+
+    def reduce(self, tensors, opts):
+        op, root = opts.reduceOp, opts.rootRank
+
+        def run():
+            for tensor in tensors:
+                target = tensor if self.comm.rank == root else tensor.clone()
+                self._all_reduce_in_place(target, op)
+        return self._submit("reduce", run, list(tensors), opts=opts)
+
+    def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, torch_op):
+        op, factor = reduce_op(torch_op)
+        scratch = input.contiguous().clone()  # torch leaves the input as it was
+        if factor is not None:
+            scratch.mul_(factor)
+        api.reduce_scatter(output, scratch, op, chosen_algorithm("reduce_scatter"), self.comm)
+
+    def reduce_scatter(self, outputs, input_lists, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+        def run():
+            for output, inputs in zip(outputs, input_lists):
+                self._reduce_scatter_one(output, torch.cat([t.reshape(-1) for t in inputs]), op)
+        return self._submit("reduce_scatter", run, list(outputs), opts=opts)
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._submit("reduce_scatter_tensor",
+                            lambda: self._reduce_scatter_one(output, input, op), [output],
+                            opts=opts)
+
+    _reduce_scatter_base = reduce_scatter_single
+
+    def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._submit("reduce_scatter_tensor_coalesced", lambda: [
+            self._reduce_scatter_one(o, i, op) for o, i in zip(outputs, inputs)], list(outputs),
+            opts=opts)
+
+    # --- data movement ----------------------------------------------------------------------
+    def broadcast(self, tensors, opts=None):
+        root = opts.rootRank if opts is not None else 0
+        return self._submit("broadcast", lambda: [
+            api.broadcast(t, root, chosen_algorithm("broadcast"), self.comm) for t in tensors],
+            list(tensors), opts=opts)
+
+    def allgather(self, output_lists, input_list, opts=None):
+        return self._submit("all_gather", lambda: [
+            api.all_gather(outputs, input, chosen_algorithm("all_gather"), self.comm)
+            for outputs, input in zip(output_lists, input_list)], list(output_lists), opts=opts)
+
+    allgather_coalesced = allgather
+
+    def all_gather_single(self, output, input, opts=None):
+        return self._submit("all_gather_into_tensor", lambda: api.all_gather(
+            output, input.contiguous(), chosen_algorithm("all_gather"), self.comm), [output],
+            opts=opts)
+
+    _allgather_base = all_gather_single
+
+    def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        return self._submit("all_gather_into_tensor_coalesced", lambda: [
+            api.all_gather(o, i.contiguous(), chosen_algorithm("all_gather"), self.comm)
+            for o, i in zip(outputs, inputs)], list(outputs), opts=opts)
+
+    def gather(self, output_lists, input_list, opts):
+        root, comm = opts.rootRank, self.comm
+
+        def run():
+            input = input_list[0].contiguous()
+            if comm.rank != root:
+                comm.send(input, root)
+                return
+            outputs = output_lists[0]
+            if len(outputs) != comm.world_size:
+                raise ValueError(f"gather: the root needs {comm.world_size} output tensors, "
+                                 f"got {len(outputs)}")
+            handles = [comm.irecv(outputs[peer], peer) for peer in range(comm.world_size)
+                       if peer != root]
+            outputs[root].copy_(input)
+            for handle in handles:
+                handle.wait()
+        return self._submit("gather", run, list(output_lists[0]) if output_lists else [], opts=opts)
+
+    def scatter(self, outputs, input_lists, opts):
+        root, comm = opts.rootRank, self.comm
+
+        def run():
+            if comm.rank != root:
+                comm.recv(outputs[0], root)
+                return
+            inputs = [t.contiguous() for t in input_lists[0]]
+            if len(inputs) != comm.world_size:
+                raise ValueError(f"scatter: the root needs {comm.world_size} input tensors, "
+                                 f"got {len(inputs)}")
+            handles = [comm.isend(inputs[peer], peer) for peer in range(comm.world_size)
+                       if peer != root]
+            outputs[0].copy_(inputs[root])
+            for handle in handles:
+                handle.wait()
+        return self._submit("scatter", run, list(outputs), opts=opts)
+
+    def alltoall(self, outputs, inputs, opts=None):
+        return self._submit("all_to_all", lambda: api.all_to_all(
+            outputs, [t.contiguous() for t in inputs], self.comm), list(outputs), opts=opts)
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+        n = self.comm.world_size
+        outs, ins = _pieces(output, list(output_splits), n), _pieces(input, list(input_splits), n)
+        return self._submit("all_to_all_single",
+                            lambda: api.all_to_all(outs, ins, self.comm), [output], opts=opts)
+
+    alltoall_base = all_to_all_single
+
+    def barrier(self, opts=None):
+        return self._submit("barrier", self.comm.barrier, [], opts=opts)
+
+    def monitored_barrier(self, opts=None, wait_all_ranks=False):
+        timeout = getattr(opts, "timeout", None)
+        if timeout is None or timeout <= timedelta(0):
+            timeout = self.timeout
+        # After everything queued before it (waiting only on this rank's own queue),
+        # then gloo's (or MPI's) barrier that names the ranks that did not arrive.
+        self._submit("monitored_barrier", lambda: None, []).wait()
+        self.p2p.monitored_barrier(timeout, wait_all_ranks)
+
+    # --- the user's point-to-point ---------------------------------------------------------
+    def send(self, tensors, dst, tag=0):
+        return self.p2p.send(tensors, dst, tag)
+
+    def recv(self, tensors, src, tag=0):
+        return self.p2p.recv(tensors, src, tag)
+
+    def recv_anysource(self, tensors, tag=0):
+        # torch asks the returned Work for the sender (Work._source_rank), and torch
+        # 2.14 does not pass that question on to a backend written in Python: the
+        # answer would be lost, so say so (nccl has no receive from any source either).
+        raise NotImplementedError("the collectives backend cannot receive from any "
+                                  "source: pass src= to recv/irecv")
+
+    # --- the end --------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish what is queued (a few seconds at most), then release the channels:
+        destroy_process_group() calls this, and so does the exit for a script that did
+        not. Left to the interpreter's own teardown, the gloo instances would be
+        destroyed with their threads running, and the process would abort after the
+        script had finished (torch does the same for its own groups)."""
+        if self.worker is None:
+            return
+        self.worker.stop()
+        self.worker.join(EXIT_GRACE_SECONDS)
+        if self.worker.thread.is_alive():
+            return  # still inside a collective with a peer that is gone: leave it be
+        self.comm.close()
+        self.comm = self.p2p = self.worker = None
+
+
+_live: "weakref.WeakSet[CollectivesBackend]" = weakref.WeakSet()
+
+
+@atexit.register
+def _shut_down_at_exit() -> None:
+    for backend in list(_live):
+        backend.shutdown()

@@ -1,0 +1,153 @@
+"""Work as torch.distributed defines it, run in order on one thread per process group.
+
+torch.distributed hands every collective to the backend and gets back a Work: the
+caller may wait() on it (a blocking call does so at once), ask is_completed(), or chain
+on get_future() (torch's DDP does, from inside backward). A backend must therefore
+start the operation and return before it finishes. Here each process group owns a
+`Worker`: one thread that runs the group's collectives one after another, in the order
+they were issued. Every rank issues them in the same order, so every rank's worker
+runs the same sequence and their messages match.
+
+A blocking call (async_op=False, which torch passes as opts.asyncOp) runs on the
+caller's own thread when nothing of the group is queued or running: the result is the
+same, and it saves the hand-over to the worker and back, which costs most on a
+machine whose cores are all busy.
+
+`Work` is ours, not torch's `_create_work_from_future`: a Work built from a failed
+future still returns True from wait() and ignores the timeout, so a dead peer looks
+like success. Ours re-raises the error from wait(), from get_future()'s value and from
+is_success(), and wait(timeout) raises when the timeout passes first.
+
+A collective that fails leaves the group's ranks out of step (some messages were sent,
+some not), so the worker refuses every later collective of that group with the first
+error, as NCCL aborts a communicator; the job should end, or make a new group.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from datetime import timedelta
+from typing import Callable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..transport import PeerError
+
+
+class Work(dist._Work):
+    """One operation of a process group: finished by the worker, waited on by the caller."""
+
+    def __init__(self, what: str, outputs: List[torch.Tensor], timeout: timedelta):
+        super().__init__()
+        self._what = what
+        self._outputs = outputs          # what get_future() yields, as torch's backends
+        self._timeout = timeout         # the group's: used when wait() is given none
+        self._error: Optional[BaseException] = None
+        self._done = threading.Event()
+        self._future = torch.futures.Future()
+
+    # --- the worker's side ---------------------------------------------------------------
+    def finish(self, error: Optional[BaseException] = None) -> None:
+        self._error = error
+        self._done.set()
+        # Callbacks chained with then() run here, on the worker (DDP copies its bucket
+        # back into the gradients this way).
+        if error is None:
+            self._future.set_result(self._outputs)
+        else:
+            self._future.set_exception(error)
+
+    def describe(self) -> str:
+        return self._what
+
+    # --- torch's side ------------------------------------------------------------------------
+    def wait(self, timeout: timedelta = timedelta(0)) -> bool:
+        """Block until done; raise its error, or PeerError if `timeout` (zero: the
+        group's timeout) passes first."""
+        limit = timeout if timeout > timedelta(0) else self._timeout
+        if not self._done.wait(limit.total_seconds()):
+            raise PeerError(f"{self._what} did not complete within "
+                            f"{limit.total_seconds():g} s (a peer stalled or died)")
+        if self._error is not None:
+            raise self._error
+        return True
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+    def is_success(self) -> bool:
+        return self._done.is_set() and self._error is None
+
+    def exception(self):
+        return self._error
+
+    def result(self) -> List[torch.Tensor]:
+        self.wait()
+        return self._outputs
+
+    def get_future(self) -> torch.futures.Future:
+        return self._future
+
+
+class Worker:
+    """A thread that runs one process group's operations in the order they came."""
+
+    def __init__(self, name: str, timeout: timedelta):
+        self.timeout = timeout
+        self.jobs: "queue.SimpleQueue" = queue.SimpleQueue()
+        self.broken: Optional[BaseException] = None  # the first failure; refuses the rest
+        self.lock = threading.Lock()      # guards `pending`
+        self.pending = 0                  # submitted and not yet finished
+        self.running = threading.Lock()   # held while a job runs, here or in the caller
+        self.thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self.thread.start()
+
+    def submit(self, what: str, run: Callable[[], None], outputs: List[torch.Tensor],
+               inline: bool = False) -> Work:
+        """Queue `run` (which fills `outputs`) and return its Work at once; or, when
+        `inline` and nothing is pending, run it on this thread and return it finished."""
+        if not self.thread.is_alive():
+            raise RuntimeError(f"{what}: the process group was destroyed")
+        work = Work(what, outputs, self.timeout)
+        with self.lock:
+            here = inline and self.pending == 0
+            self.pending += 1
+            if not here:
+                self.jobs.put((work, run))
+        if here:
+            self._execute(work, run)
+        return work
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            self._execute(*job)
+
+    def _execute(self, work: Work, run: Callable[[], None]) -> None:
+        with self.running:
+            try:
+                if self.broken is not None:
+                    work.finish(RuntimeError(
+                        f"{work.describe()}: refused, an earlier operation of this process "
+                        f"group failed: {self.broken}"))
+                    return
+                try:
+                    run()
+                except BaseException as error:  # noqa: BLE001 -- handed to the waiter
+                    self.broken = error
+                    work.finish(error)
+                else:
+                    work.finish()
+            finally:
+                with self.lock:
+                    self.pending -= 1
+
+    def stop(self) -> None:
+        """Let queued operations finish, then end the thread."""
+        self.jobs.put(None)
+
+    def join(self, seconds: float) -> None:
+        self.thread.join(seconds)

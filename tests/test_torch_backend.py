@@ -1,0 +1,136 @@
+"""torch.distributed on the "collectives" backend: torch's own collectives, DDP, ZeRO and
+FSDP2 give what gloo gives; the same script runs under mpirun as init_process_group("mpi");
+a peer killed mid-collective makes every survivor raise in time.
+
+The checks live in checks_torch_backend.py, a script run as users run theirs (torchrun,
+mpirun); each rank prints `ok CHECK RANK DIGEST` after comparing with gloo itself.
+"""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from collectives.mpi_launcher import find_mpirun
+from collectives.spawn import free_port
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CHECKS = ("check_reductions", "check_movement", "check_point_to_point", "check_subgroups",
+          "check_disagreement")
+TRAININGS = ("ddp", "ddp-fp16-hook", "ddp-bucket-view", "ddp-static-graph", "zero", "fsdp2")
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def digests(out: subprocess.CompletedProcess, names, world_size):
+    """{(check, rank): digest}, after asserting every rank passed every check and ended."""
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
+    found = {}
+    for name, rank, value in re.findall(r"^ok (\S+) (\d+) ?(\S*)$", out.stdout, re.M):
+        found[(name, int(rank))] = value
+    for name in list(names) + ["destroyed"]:
+        for rank in range(world_size):
+            assert (name, rank) in found, f"{name} on rank {rank} missing:\n{out.stdout}"
+    return found
+
+
+def torchrun(world_size, *args, timeout=200):
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                           str(world_size), "--master-port", str(free_port()),
+                           "checks_torch_backend.py", *args],
+                          cwd=HERE, env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def mpirun(world_size, *args, timeout=200):
+    return subprocess.run([find_mpirun()[0], "-np", str(world_size), sys.executable,
+                           "checks_torch_backend.py", *args, "--mpi"], cwd=HERE,
+                          env=dict(ENV, COLLECTIVES_TORCH_MPI="1"), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.mark.timeout(240)
+def test_every_collective_matches_gloo_on_three_ranks():
+    """Each collective and form (ops, dtypes, roots, lists and tensors, uneven
+    all_to_all, async Work and future, tags, batch_isend_irecv, subgroups, objects,
+    barriers) equals gloo; reduce_scatter leaves its input; mismatched calls raise on
+    every rank and break only their own group; nothing runs after destroy."""
+    digests(torchrun(3, "collectives"), CHECKS, 3)
+
+
+def replicas_agree(found, world_size):
+    for name in TRAININGS:  # the replicas agree (FSDP2: the gathered parameters)
+        assert len({found[(name, rank)] for rank in range(world_size)}) == 1, name
+
+
+@pytest.mark.timeout(300)
+def test_two_ranks_train_as_on_gloo_and_the_mpi_route_computes_the_same():
+    """5 steps of torch's DDP (plain, fp16 comm hook, gradient_as_bucket_view,
+    static_graph), ZeroRedundancyOptimizer and FSDP2 on ours equal gloo's bit for bit,
+    and so does every collective check. Then the same script as
+    init_process_group("mpi") under mpirun (opted in by COLLECTIVES_TORCH_MPI=1), on
+    the mpi4py transport, ends with the same values."""
+    on_gloo = digests(torchrun(2, "all"), CHECKS + TRAININGS, 2)
+    replicas_agree(on_gloo, 2)
+    on_mpi = digests(mpirun(2, "all"), CHECKS + TRAININGS, 2)
+    assert on_mpi == on_gloo
+
+
+@pytest.mark.timeout(300)
+def test_three_ranks_train_as_on_gloo():
+    """The same trainings on 3 ranks, within float rounding of another summation order."""
+    replicas_agree(digests(torchrun(3, "training"), TRAININGS, 3), 3)
+
+
+def test_without_the_opt_in_mpi_says_how():
+    """On torch without MPI, init_process_group("mpi") names the opt-in."""
+    code = ("import torch.distributed as dist\n"
+            "try:\n"
+            "    dist.init_process_group('mpi')\n"
+            "except RuntimeError as error:\n"
+            "    print(error)\n")
+    env = {k: v for k, v in ENV.items() if k != "COLLECTIVES_TORCH_MPI"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert "COLLECTIVES_TORCH_MPI=1" in out.stdout, out.stdout + out.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_script_that_never_destroys_its_group_exits_cleanly():
+    """As with torch's gloo: exit closes our groups first (else: SIGABRT at exit)."""
+    out = torchrun(2, "no-destroy", timeout=100)
+    assert out.returncode == 0 and out.stdout.count("ok leaving") == 2, out.stderr[-3000:]
+    assert "terminate called" not in out.stderr
+
+
+def _launch(world_size, *args):
+    """The ranks as separate processes (no torchrun: it would end the survivors)."""
+    port = free_port()
+    return [subprocess.Popen([sys.executable, "checks_torch_backend.py", *args], cwd=HERE,
+                             env=dict(ENV, RANK=str(rank), WORLD_SIZE=str(world_size),
+                                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+                                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for rank in range(world_size)]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("where", ["all_reduce", "ddp"])
+def test_a_killed_peer_makes_every_survivor_raise(where):
+    """The last of 3 ranks is SIGKILLed during dist.all_reduce, or between two of DDP's
+    backward passes: both survivors raise (group timeout 20 s) and exit."""
+    ranks = _launch(3, "dead-peer", where)
+    started = time.monotonic()
+    try:
+        outs = [rank.communicate(timeout=120) for rank in ranks]
+    finally:
+        for rank in ranks:
+            if rank.poll() is None:
+                rank.kill()
+    assert ranks[2].returncode == -signal.SIGKILL
+    for rank, (stdout, stderr) in enumerate(outs[:2]):
+        match = re.search(r"raised (\w+) after ([\d.]+) s", stdout)
+        assert match, f"rank {rank} did not raise:\n{stdout}\n{stderr[-3000:]}"
+        assert float(match.group(2)) < 40, stdout
+    assert time.monotonic() - started < 120
