@@ -15,7 +15,8 @@ from trainer.bench import aligned_warmup
 @pytest.mark.timeout(150)
 def test_every_torch_peer_trains():
     losses = run_world(every_peer_learns, 2, timeout=120)[0]
-    assert set(losses) == {"ddp", "ddp-fp16", "ddp-bf16", "ddp-powersgd", "ddp-localsgd"}
+    assert set(losses) == {"ddp", "ddp-collectives", "ddp-fp16", "ddp-bf16", "ddp-powersgd",
+                           "ddp-localsgd"}
     for name, (first, last) in losses.items():
         assert last < 0.95 * first, (name, first, last)
 

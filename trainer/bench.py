@@ -7,8 +7,9 @@
         --sync allreduce,ddp,bf16,ddp-bf16,powersgd,ddp-powersgd,local-sgd,ddp-localsgd
 
 Each --sync is one of our strategies (inside collectives.DistributedDataParallel) or
-one of torch's peers (trainer/torch_peers.py: ddp, ddp-collectives, ddp-fp16, ddp-bf16, ddp-powersgd,
-ddp-localsgd). On random 28x28 images with the trainer's model it measures:
+one of torch's peers (trainer/torch_peers.py: ddp, ddp-collectives, ddp-fp16,
+ddp-bf16, ddp-powersgd, ddp-localsgd). On random 28x28 images with the trainer's model
+it measures:
 
     step_ms       the mean training step: forward, backward with communication,
                   optimizer, and the strategy's moments. A periodic strategy

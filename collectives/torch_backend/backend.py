@@ -57,6 +57,16 @@ def chosen_algorithm(collective: str) -> str:
     return wanted if wanted in algorithms.names(collective) else "auto"
 
 
+def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor our collectives can move: complex as its (real, imaginary) pairs, bool
+    as bytes. Moving data needs no arithmetic, so any reinterpretation is exact."""
+    if tensor.is_complex():
+        return torch.view_as_real(tensor)
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8)
+    return tensor
+
+
 def _pieces(tensor: torch.Tensor, splits: List[int], n: int) -> List[torch.Tensor]:
     """A tensor cut along dim 0 into n flat pieces (equal when `splits` is empty)."""
     rows = tensor.shape[0] if tensor.dim() else 1
@@ -171,33 +181,43 @@ class CollectivesBackend(dist._Backend):
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         return self._submit("broadcast", lambda: [
-            api.broadcast(t, root, chosen_algorithm("broadcast"), self.comm) for t in tensors],
+            api.broadcast(_bytes_view(t), root, chosen_algorithm("broadcast"), self.comm)
+            for t in tensors],
             list(tensors), opts=opts)
+
+    def _all_gather_list(self, outputs, input) -> None:
+        api.all_gather([_bytes_view(t) for t in outputs], _bytes_view(input.contiguous()),
+                       chosen_algorithm("all_gather"), self.comm)
 
     def allgather(self, output_lists, input_list, opts=None):
         return self._submit("all_gather", lambda: [
-            api.all_gather(outputs, input, chosen_algorithm("all_gather"), self.comm)
+            self._all_gather_list(outputs, input)
             for outputs, input in zip(output_lists, input_list)], list(output_lists), opts=opts)
 
-    allgather_coalesced = allgather
+    def allgather_coalesced(self, output_lists, input_list, opts=None):
+        """output_lists[r][i] receives rank r's input_list[i]."""
+        return self._submit("all_gather_coalesced", lambda: [
+            self._all_gather_list([per_rank[i] for per_rank in output_lists], input)
+            for i, input in enumerate(input_list)], list(output_lists), opts=opts)
 
     def all_gather_single(self, output, input, opts=None):
         return self._submit("all_gather_into_tensor", lambda: api.all_gather(
-            output, input.contiguous(), chosen_algorithm("all_gather"), self.comm), [output],
-            opts=opts)
+            _bytes_view(output), _bytes_view(input.contiguous()), chosen_algorithm("all_gather"),
+            self.comm), [output], opts=opts)
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self._submit("all_gather_into_tensor_coalesced", lambda: [
-            api.all_gather(o, i.contiguous(), chosen_algorithm("all_gather"), self.comm)
+            api.all_gather(_bytes_view(o), _bytes_view(i.contiguous()),
+                           chosen_algorithm("all_gather"), self.comm)
             for o, i in zip(outputs, inputs)], list(outputs), opts=opts)
 
     def gather(self, output_lists, input_list, opts):
         root, comm = opts.rootRank, self.comm
 
         def run():
-            input = input_list[0].contiguous()
+            input = _bytes_view(input_list[0].contiguous())
             if comm.rank != root:
                 comm.send(input, root)
                 return
@@ -205,9 +225,9 @@ class CollectivesBackend(dist._Backend):
             if len(outputs) != comm.world_size:
                 raise ValueError(f"gather: the root needs {comm.world_size} output tensors, "
                                  f"got {len(outputs)}")
-            handles = [comm.irecv(outputs[peer], peer) for peer in range(comm.world_size)
-                       if peer != root]
-            outputs[root].copy_(input)
+            handles = [comm.irecv(_bytes_view(outputs[peer]), peer)
+                       for peer in range(comm.world_size) if peer != root]
+            _bytes_view(outputs[root]).copy_(input)
             for handle in handles:
                 handle.wait()
         return self._submit("gather", run, list(output_lists[0]) if output_lists else [], opts=opts)
@@ -217,26 +237,28 @@ class CollectivesBackend(dist._Backend):
 
         def run():
             if comm.rank != root:
-                comm.recv(outputs[0], root)
+                comm.recv(_bytes_view(outputs[0]), root)
                 return
-            inputs = [t.contiguous() for t in input_lists[0]]
+            inputs = [_bytes_view(t.contiguous()) for t in input_lists[0]]
             if len(inputs) != comm.world_size:
                 raise ValueError(f"scatter: the root needs {comm.world_size} input tensors, "
                                  f"got {len(inputs)}")
             handles = [comm.isend(inputs[peer], peer) for peer in range(comm.world_size)
                        if peer != root]
-            outputs[0].copy_(inputs[root])
+            _bytes_view(outputs[0]).copy_(inputs[root])
             for handle in handles:
                 handle.wait()
         return self._submit("scatter", run, list(outputs), opts=opts)
 
     def alltoall(self, outputs, inputs, opts=None):
         return self._submit("all_to_all", lambda: api.all_to_all(
-            outputs, [t.contiguous() for t in inputs], self.comm), list(outputs), opts=opts)
+            [_bytes_view(t) for t in outputs], [_bytes_view(t.contiguous()) for t in inputs],
+            self.comm), list(outputs), opts=opts)
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         n = self.comm.world_size
-        outs, ins = _pieces(output, list(output_splits), n), _pieces(input, list(input_splits), n)
+        outs = _pieces(_bytes_view(output), list(output_splits), n)
+        ins = _pieces(_bytes_view(input.contiguous()), list(input_splits), n)
         return self._submit("all_to_all_single",
                             lambda: api.all_to_all(outs, ins, self.comm), [output], opts=opts)
 
