@@ -13,8 +13,13 @@ sets the variables the suite reads, builds the test class, runs it and counts.
 
 The suite gates tests on backend names (`DistTestCases.backend_feature`: which
 backends do DDP, subgroups, ...). "collectives" offers what gloo offers on the CPU, so
-it is added wherever gloo is. Tests that compare `BACKEND == "gloo"` by name still
-take the non-gloo branch; the report shows which.
+it is added wherever gloo is. Many tests are kept for gloo by name alone
+(`require_backend_is_available({"gloo"})`, `BACKEND == "gloo"`): `--as-gloo` registers
+our backend under the name "gloo" for the run, so those run on ours too (and the
+suite's gloo-specific expectations apply to it).
+
+    python tests/torch_suite.py --as-gloo                # ours, every CPU test
+
 
 Takes about half an hour on 2 cores; not part of the default test run. Needs
 `expecttest` (in the test extra).
@@ -29,6 +34,8 @@ import tempfile
 import time
 import unittest
 
+AS_GLOO = "COLLECTIVES_SUITE_AS_GLOO"  # --as-gloo, seen by the spawned ranks too
+
 
 def _arguments():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -37,11 +44,17 @@ def _arguments():
     parser.add_argument("-k", dest="patterns", action="append", default=[],
                         help="run only tests whose name contains this (repeatable)")
     parser.add_argument("--report", help="write every test's outcome to this JSON file")
+    parser.add_argument("--as-gloo", action="store_true",
+                        help="register our backend under the name gloo, so the tests the "
+                             "suite keeps for gloo by name run on ours too")
     return parser.parse_args()
 
 
-def _prepare_environment(backend: str, world_size: int) -> None:
+def _prepare_environment(backend: str, world_size: int, as_gloo: bool) -> None:
     """What the suite reads at import: BACKEND, WORLD_SIZE, TEMP_DIR with a barrier."""
+    if as_gloo:
+        os.environ[AS_GLOO] = "1"
+        backend = "gloo"
     os.environ["BACKEND"] = backend
     os.environ["WORLD_SIZE"] = str(world_size)
     if "TEMP_DIR" not in os.environ:
@@ -51,17 +64,25 @@ def _prepare_environment(backend: str, world_size: int) -> None:
 
 
 def _make_test_class():
-    """The suite's test class for $BACKEND (done at import, so spawned ranks do it too)."""
+    """The suite's test class for $BACKEND (done at import, so spawned ranks do it too).
+
+    The suite reads its gates when it is imported, so they are set first."""
     import collectives.torch_backend
     from torch.testing._internal.common_distributed import DistTestCases
-    from torch.testing._internal.distributed.distributed_test import (DistributedTest,
-                                                                      TestDistBackend)
     backend = os.environ["BACKEND"]
     if backend == collectives.torch_backend.NAME:
         collectives.torch_backend.register()
         for backends in DistTestCases.backend_feature.values():
             if "gloo" in backends:
                 backends.add(backend)
+        DistTestCases.backend_feature["plugin"].add(backend)
+    if os.environ.get(AS_GLOO):  # ours answers to the name "gloo"
+        import functools
+        import torch.distributed as dist
+        as_gloo = functools.partial(collectives.torch_backend._create, name="gloo")
+        dist.Backend.register_backend("gloo", as_gloo, extended_api=True, devices=["cpu"])
+    from torch.testing._internal.distributed.distributed_test import (DistributedTest,
+                                                                      TestDistBackend)
 
     class TestBackend(TestDistBackend, DistributedTest._DistTestBase):
         def setUp(self):
@@ -133,14 +154,15 @@ def main() -> int:
     counts = {}
     for entry in result.outcomes.values():
         counts[entry["outcome"]] = counts.get(entry["outcome"], 0) + 1
-    print(f"\n{os.environ['BACKEND']}: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in
+    name = "collectives as gloo" if os.environ.get(AS_GLOO) else os.environ["BACKEND"]
+    print(f"\n{name}: " + ", ".join(f"{counts.get(k, 0)} {k}" for k in
                                                   ("passed", "failed", "skipped")))
     for name, entry in sorted(result.outcomes.items()):
         if entry["outcome"] == "failed":
             print(f"  FAILED {name}: {entry['reason']}")
     if args.report:
         with open(args.report, "w") as out:
-            json.dump({"backend": os.environ["BACKEND"],
+            json.dump({"backend": name,
                        "world_size": int(os.environ["WORLD_SIZE"]),
                        "tests": result.outcomes}, out, indent=1, sort_keys=True)
     return 0 if not counts.get("failed") else 1
@@ -148,7 +170,7 @@ def main() -> int:
 
 if __name__ == "__main__":
     _options = _arguments()
-    _prepare_environment(_options.backend, _options.world_size)
+    _prepare_environment(_options.backend, _options.world_size, _options.as_gloo)
 if "BACKEND" in os.environ:  # also in each spawned rank, which imports this file
     _test_class = _make_test_class()
     globals()[_test_class.__name__] = _test_class  # ranks find it by this name

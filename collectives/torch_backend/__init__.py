@@ -44,12 +44,29 @@ NAME = "collectives"
 MPI_OPT_IN = "COLLECTIVES_TORCH_MPI"
 
 
-def _create(options, backend_options=None) -> CollectivesBackend:
-    """torch's call for each new group of "collectives": gloo route (routes.py)."""
+def _create(options, backend_options=None, name: str = NAME) -> CollectivesBackend:
+    """torch's call for each new group of "collectives": gloo route (routes.py).
+    `name`: what the backend calls itself (tests/torch_suite.py --as-gloo: "gloo")."""
     comm, p2p = gloo_channels(options.store, options.group_rank, options.group_size,
                               options.timeout)
-    return CollectivesBackend(options.group_rank, options.group_size, comm, p2p,
-                              options.timeout)
+    backend = CollectivesBackend(options.group_rank, options.group_size, comm, p2p,
+                                 options.timeout, name=name)
+    if dist.get_debug_level() == dist.DebugLevel.DETAIL:
+        # torch would wrap the backend in its debug wrapper, which asks the backend's
+        # name from C++, a question torch 2.14 does not pass on to a backend written
+        # in Python. A group of our own is not wrapped; every call is still checked
+        # across ranks, by our handshake.
+        return _group_of(backend, options.store, options.group_rank, options.group_size)
+    return backend
+
+
+def _group_of(backend: CollectivesBackend, store, rank: int, size: int) -> dist.ProcessGroup:
+    """A torch ProcessGroup whose CPU backend is `backend`."""
+    group = dist.ProcessGroup(store, rank, size)
+    kind = dist.ProcessGroup.BackendType.CUSTOM
+    group._register_backend(torch.device("cpu"), kind, backend)
+    group._set_default_backend(kind)
+    return group
 
 
 def register() -> None:
@@ -69,12 +86,8 @@ def _default_mpi_group(timeout: timedelta) -> dist.ProcessGroup:
     host, port = _rendezvous_address(detect_launch(mpi_world_size=size))
     store = dist.TCPStore(host, port, size, rank == 0, timeout)
     comm, p2p = mpi_channels([], timeout)
-    group = dist.ProcessGroup(store, rank, size)
-    backend = CollectivesBackend(rank, size, comm, p2p, timeout, name="mpi")
-    kind = dist.ProcessGroup.BackendType.CUSTOM
-    group._register_backend(torch.device("cpu"), kind, backend)
-    group._set_default_backend(kind)
-    return group
+    return _group_of(CollectivesBackend(rank, size, comm, p2p, timeout, name="mpi"), store,
+                     rank, size)
 
 
 def _create_mpi(options, backend_options=None):

@@ -109,12 +109,29 @@ class CollectivesBackend(dist._Backend):
     supports_reconfigure = property(lambda self: False)
 
     def _submit(self, what: str, run: Callable[[], None], outputs: List[torch.Tensor],
-                opts=None) -> Work:
-        """Hand `run` to the worker; a blocking call (opts.asyncOp False) may run here."""
+                opts=None, inputs=None) -> Work:
+        """Hand `run` to the worker; a blocking call (opts.asyncOp False) may run here.
+        inputs: the tensors torch's profiler is shown (default: the outputs, in place)."""
         if self.worker is None:
             raise RuntimeError(f"{what}: this process group was destroyed")
-        return self.worker.submit(what, run, outputs,
-                                  inline=not getattr(opts, "asyncOp", True))
+        inline = not getattr(opts, "asyncOp", True)
+        if torch.autograd._profiler_enabled():
+            run, inline = self._profiled(what, run, outputs if inputs is None else inputs), False
+        return self.worker.submit(what, run, outputs, inline=inline)
+
+    def _profiled(self, what: str, run: Callable[[], None], inputs) -> Callable[[], None]:
+        """Under torch's profiler, an event "BACKEND:collective" with the inputs' shapes,
+        from the call to the end of the job on the worker (an async event, as torch's
+        own backends record)."""
+        record = torch._C._autograd._record_function_with_args_enter(
+            f"{self.backend_name}:{what}", *inputs)
+
+        def run_and_record():
+            try:
+                run()
+            finally:
+                torch._C._autograd._record_function_with_args_exit(record)
+        return run_and_record
 
     # --- reductions ------------------------------------------------------------------------
     def _all_reduce_in_place(self, tensor: torch.Tensor, torch_op) -> None:
@@ -148,9 +165,11 @@ class CollectivesBackend(dist._Backend):
                 self._all_reduce_in_place(target, op)
         return self._submit("reduce", run, list(tensors), opts=opts)
 
-    def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, torch_op):
+    def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, torch_op,
+                            copy: bool = True):
         op, factor = reduce_op(torch_op)
-        scratch = input.contiguous().clone()  # torch leaves the input as it was
+        # torch leaves the input as it was; ours uses it as scratch: work on a copy
+        scratch = input.contiguous().clone() if copy else input
         if factor is not None:
             scratch.mul_(factor)
         api.reduce_scatter(output, scratch, op, chosen_algorithm("reduce_scatter"), self.comm)
@@ -160,14 +179,16 @@ class CollectivesBackend(dist._Backend):
 
         def run():
             for output, inputs in zip(outputs, input_lists):
-                self._reduce_scatter_one(output, torch.cat([t.reshape(-1) for t in inputs]), op)
-        return self._submit("reduce_scatter", run, list(outputs), opts=opts)
+                joined = torch.cat([t.reshape(-1) for t in inputs])  # a copy already
+                self._reduce_scatter_one(output, joined, op, copy=False)
+        return self._submit("reduce_scatter", run, list(outputs), opts=opts,
+                            inputs=[t for inputs in input_lists for t in inputs])
 
     def reduce_scatter_single(self, output, input, opts=None):
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._submit("reduce_scatter_tensor",
                             lambda: self._reduce_scatter_one(output, input, op), [output],
-                            opts=opts)
+                            opts=opts, inputs=[input])
 
     _reduce_scatter_base = reduce_scatter_single
 
@@ -192,18 +213,20 @@ class CollectivesBackend(dist._Backend):
     def allgather(self, output_lists, input_list, opts=None):
         return self._submit("all_gather", lambda: [
             self._all_gather_list(outputs, input)
-            for outputs, input in zip(output_lists, input_list)], list(output_lists), opts=opts)
+            for outputs, input in zip(output_lists, input_list)], list(output_lists), opts=opts,
+            inputs=list(input_list))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """output_lists[r][i] receives rank r's input_list[i]."""
         return self._submit("all_gather_coalesced", lambda: [
             self._all_gather_list([per_rank[i] for per_rank in output_lists], input)
-            for i, input in enumerate(input_list)], list(output_lists), opts=opts)
+            for i, input in enumerate(input_list)], list(output_lists), opts=opts,
+            inputs=list(input_list))
 
     def all_gather_single(self, output, input, opts=None):
         return self._submit("all_gather_into_tensor", lambda: api.all_gather(
             _bytes_view(output), _bytes_view(input.contiguous()), chosen_algorithm("all_gather"),
-            self.comm), [output], opts=opts)
+            self.comm), [output], opts=opts, inputs=[input])
 
     _allgather_base = all_gather_single
 
@@ -211,7 +234,7 @@ class CollectivesBackend(dist._Backend):
         return self._submit("all_gather_into_tensor_coalesced", lambda: [
             api.all_gather(_bytes_view(o), _bytes_view(i.contiguous()),
                            chosen_algorithm("all_gather"), self.comm)
-            for o, i in zip(outputs, inputs)], list(outputs), opts=opts)
+            for o, i in zip(outputs, inputs)], list(outputs), opts=opts, inputs=list(inputs))
 
     def gather(self, output_lists, input_list, opts):
         root, comm = opts.rootRank, self.comm
@@ -230,7 +253,8 @@ class CollectivesBackend(dist._Backend):
             _bytes_view(outputs[root]).copy_(input)
             for handle in handles:
                 handle.wait()
-        return self._submit("gather", run, list(output_lists[0]) if output_lists else [], opts=opts)
+        return self._submit("gather", run, list(output_lists[0]) if output_lists else [],
+                            opts=opts, inputs=list(input_list))
 
     def scatter(self, outputs, input_lists, opts):
         root, comm = opts.rootRank, self.comm
@@ -253,14 +277,15 @@ class CollectivesBackend(dist._Backend):
     def alltoall(self, outputs, inputs, opts=None):
         return self._submit("all_to_all", lambda: api.all_to_all(
             [_bytes_view(t) for t in outputs], [_bytes_view(t.contiguous()) for t in inputs],
-            self.comm), list(outputs), opts=opts)
+            self.comm), list(outputs), opts=opts, inputs=list(inputs))
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         n = self.comm.world_size
         outs = _pieces(_bytes_view(output), list(output_splits), n)
         ins = _pieces(_bytes_view(input.contiguous()), list(input_splits), n)
         return self._submit("all_to_all_single",
-                            lambda: api.all_to_all(outs, ins, self.comm), [output], opts=opts)
+                            lambda: api.all_to_all(outs, ins, self.comm), [output], opts=opts,
+                            inputs=[input])
 
     alltoall_base = all_to_all_single
 
