@@ -107,6 +107,13 @@ def check_movement(gloo, rank, size):
     dist.all_gather(ours, values(rank))
     dist.all_gather(ref, values(rank), group=gloo)
     same(ours, ref, "all_gather")
+    # coalesced: ours[r][i] is rank r's i-th input
+    ours = [[torch.empty(5), torch.empty(3)] for _ in range(size)]
+    ref = [[torch.empty(5), torch.empty(3)] for _ in range(size)]
+    dist.all_gather_coalesced(ours, [values(rank), values(rank, 3, offset=7)])
+    dist.all_gather_coalesced(ref, [values(rank), values(rank, 3, offset=7)], group=gloo)
+    same([t for per_rank in ours for t in per_rank], [t for per_rank in ref for t in per_rank],
+         "all_gather_coalesced")
     ours, ref = torch.empty(size * 5), torch.empty(size * 5)
     dist.all_gather_into_tensor(ours, values(rank))
     dist.all_gather_into_tensor(ref, values(rank), group=gloo)
