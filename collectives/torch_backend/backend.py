@@ -48,6 +48,11 @@ def reduce_op(op) -> tuple:
     return _OPS[kind], None
 
 
+def op_of(opts):
+    """The ReduceOp in torch's options object; SUM when torch passed none."""
+    return opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+
+
 def chosen_algorithm(collective: str) -> str:
     """COLLECTIVES_ALGORITHM where it names one of this collective's algorithms, else auto."""
     wanted = os.environ.get("COLLECTIVES_ALGORITHM", "auto").strip() or "auto"
@@ -141,13 +146,13 @@ class CollectivesBackend(dist._Backend):
         api.all_reduce(tensor, op, chosen_algorithm("all_reduce"), self.comm)
 
     def allreduce(self, tensors, opts=None):
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        op = op_of(opts)
         reduce_op(op)  # a bad op fails in the caller, not on the worker
         return self._submit("all_reduce", lambda: [self._all_reduce_in_place(t, op)
                                                    for t in tensors], list(tensors), opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        op, factor = reduce_op(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
+        op, factor = reduce_op(op_of(opts))
 
         def run():
             if factor is not None:
@@ -175,7 +180,7 @@ class CollectivesBackend(dist._Backend):
         api.reduce_scatter(output, scratch, op, chosen_algorithm("reduce_scatter"), self.comm)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        op = op_of(opts)
 
         def run():
             for output, inputs in zip(outputs, input_lists):
@@ -185,7 +190,7 @@ class CollectivesBackend(dist._Backend):
                             inputs=[t for inputs in input_lists for t in inputs])
 
     def reduce_scatter_single(self, output, input, opts=None):
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        op = op_of(opts)
         return self._submit("reduce_scatter_tensor",
                             lambda: self._reduce_scatter_one(output, input, op), [output],
                             opts=opts, inputs=[input])
@@ -193,7 +198,7 @@ class CollectivesBackend(dist._Backend):
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        op = op_of(opts)
         return self._submit("reduce_scatter_tensor_coalesced", lambda: [
             self._reduce_scatter_one(o, i, op) for o, i in zip(outputs, inputs)], list(outputs),
             opts=opts)

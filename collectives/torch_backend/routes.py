@@ -72,9 +72,6 @@ class MpiRequestWork(dist._Work):
             self._future.set_result(self._outputs)
         return True
 
-    def is_completed(self) -> bool:
-        return self._future.done() or self._request.Test()
-
     def get_future(self) -> torch.futures.Future:
         return self._future
 

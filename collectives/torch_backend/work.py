@@ -15,8 +15,10 @@ machine whose cores are all busy.
 
 `Work` is ours, not torch's `_create_work_from_future`: a Work built from a failed
 future still returns True from wait() and ignores the timeout, so a dead peer looks
-like success. Ours re-raises the error from wait(), from get_future()'s value and from
-is_success(), and wait(timeout) raises when the timeout passes first.
+like success. Ours re-raises the error from wait() and from get_future()'s value, and
+wait(timeout) raises when the timeout passes first. torch 2.14 passes only wait() and
+get_future() on to a Work made in Python (is_completed() reads False through it), so
+those are all it has.
 
 A collective that fails leaves the group's ranks out of step (some messages were sent,
 some not), so the worker refuses every later collective of that group with the first
@@ -72,19 +74,6 @@ class Work(dist._Work):
         if self._error is not None:
             raise self._error
         return True
-
-    def is_completed(self) -> bool:
-        return self._done.is_set()
-
-    def is_success(self) -> bool:
-        return self._done.is_set() and self._error is None
-
-    def exception(self):
-        return self._error
-
-    def result(self) -> List[torch.Tensor]:
-        self.wait()
-        return self._outputs
 
     def get_future(self) -> torch.futures.Future:
         return self._future
