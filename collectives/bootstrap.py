@@ -195,11 +195,10 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
     mpi_size = _mpi_world().Get_size() if backend == "mpi" else None
     info = detect_launch(mpi_world_size=mpi_size)
     if device is None:
-        if backend == "nccl":
-            device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
-        else:
-            device = torch.device("cpu")
+        device = "cuda" if backend == "nccl" else "cpu"
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda": the local rank's GPU
+        device = torch.device("cuda", info.local_rank % torch.cuda.device_count())
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _limit_threads(info)

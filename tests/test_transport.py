@@ -29,6 +29,19 @@ def test_gloo_point_to_point_and_native(world_size, shm):
     assert run_world(check_transport, world_size, timeout=150, shm=shm) == ["ok"] * world_size
 
 
+def staged_then_checked(comm):
+    """Every message through a staging copy, as NCCL's CPU tensors (and gloo's CUDA
+    tensors) go: sends from a copy, receives copied back on wait(), native calls too."""
+    comm.cpu_tensors_ok = False  # stage CPU tensors to comm.device, here the CPU itself
+    assert comm.staging_device(torch.zeros(1)) == comm.device
+    return check_transport(comm)
+
+
+@pytest.mark.timeout(180)
+def test_staged_tensors_arrive_whole():
+    assert run_world(staged_then_checked, 3, timeout=150, shm="off") == ["ok"] * 3
+
+
 WORLD_OF_ONE = """
 import torch, collectives
 from collectives.transport import LocalTransport

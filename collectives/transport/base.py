@@ -116,24 +116,25 @@ class DoneHandle(Handle):
 
 
 class StagedRecvHandle(Handle):
-    """A receive that landed in a host buffer and is copied to the device on wait()."""
+    """A receive that landed in a staging buffer (host memory for gloo, the GPU for
+    NCCL) and is copied into the caller's tensor on wait()."""
 
-    def __init__(self, inner: Handle, host: torch.Tensor, target: torch.Tensor):
-        self.inner, self.host, self.target = inner, host, target
+    def __init__(self, inner: Handle, staged: torch.Tensor, target: torch.Tensor):
+        self.inner, self.staged, self.target = inner, staged, target
 
     def wait(self) -> None:
         self.inner.wait()
-        self.target.copy_(self.host)
+        self.target.copy_(self.staged)
 
     def test(self) -> bool:
         return self.inner.test()
 
 
 class KeepAliveHandle(Handle):
-    """A send from a temporary host copy, kept alive until the send completes."""
+    """A send from a temporary staging copy, kept alive until the send completes."""
 
-    def __init__(self, inner: Handle, host: torch.Tensor):
-        self.inner, self.host = inner, host
+    def __init__(self, inner: Handle, staged: torch.Tensor):
+        self.inner, self.staged = inner, staged
 
     def wait(self) -> None:
         self.inner.wait()
@@ -191,9 +192,13 @@ class Transport:
     # message's fixed cost wins over the pipelining it buys on a 2-core machine, over
     # TCP and shared memory alike (docs/benchmarks.md).
     segment_bytes: int = 4 << 20
-    # Whether _isend/_irecv take tensors on an accelerator directly. When False,
-    # device tensors are staged through host memory (one copy each way).
+    # Whether _isend/_irecv (and the native collectives) take tensors on an accelerator
+    # directly. When False, device tensors are staged through host memory (one copy
+    # each way).
     device_tensors_ok: bool = False
+    # Whether they take CPU tensors. NCCL moves GPU memory only: the small CPU tensors
+    # of argument checks and flags are then staged through this rank's GPU.
+    cpu_tensors_ok: bool = True
 
     def __init__(self, rank: int, world_size: int, local_rank: int,
                  device: torch.device, timeout: timedelta):
@@ -212,19 +217,28 @@ class Transport:
         """Start sending `tensor` to rank `dst`; the tensor must not change until wait()."""
         self._check_peer(tensor, dst, "isend")
         self.traffic.count_send(tensor)
-        if tensor.device.type != "cpu" and not self.device_tensors_ok:
-            host = tensor.cpu()
-            return KeepAliveHandle(self._isend(host, dst), host)
+        stage = self.staging_device(tensor)
+        if stage is not None:
+            staged = tensor.to(stage)
+            return KeepAliveHandle(self._isend(staged, dst), staged)
         return self._isend(tensor, dst)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start receiving into `tensor` from rank `src`; read it only after wait()."""
         self._check_peer(tensor, src, "irecv")
         self.traffic.count_receive(tensor)
-        if tensor.device.type != "cpu" and not self.device_tensors_ok:
-            host = torch.empty_like(tensor, device="cpu")
-            return StagedRecvHandle(self._irecv(host, src), host, tensor)
+        stage = self.staging_device(tensor)
+        if stage is not None:
+            staged = torch.empty_like(tensor, device=stage)
+            return StagedRecvHandle(self._irecv(staged, src), staged, tensor)
         return self._irecv(tensor, src)
+
+    def staging_device(self, tensor: torch.Tensor) -> Optional[torch.device]:
+        """Where a copy of `tensor` must go for this transport to move it; None: it
+        moves as it is (see device_tensors_ok and cpu_tensors_ok)."""
+        if tensor.device.type == "cpu":
+            return None if self.cpu_tensors_ok else self.device
+        return None if self.device_tensors_ok else torch.device("cpu")
 
     def irecv_reduce(self, accumulator: torch.Tensor, src: int, op: str,
                      scratch: Optional[torch.Tensor] = None,
@@ -290,7 +304,7 @@ class Transport:
         n = self.world_size
         share = 2 * (n - 1) / n * nbytes(tensor)
         self.traffic.count_native(share, share)
-        self._native_all_reduce(tensor, op)
+        self._staged(tensor, lambda moved: self._native_all_reduce(moved, op))
 
     def native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
         """The backend's own broadcast, in place."""
@@ -298,7 +312,17 @@ class Transport:
             self.traffic.count_native(nbytes(tensor) * (self.world_size - 1), 0)
         else:
             self.traffic.count_native(0, nbytes(tensor))
-        self._native_broadcast(tensor, src)
+        self._staged(tensor, lambda moved: self._native_broadcast(moved, src))
+
+    def _staged(self, tensor: torch.Tensor, run) -> None:
+        """run(tensor) in place, on a staging copy where the backend cannot move it."""
+        stage = self.staging_device(tensor)
+        if stage is None:
+            run(tensor)
+            return
+        staged = tensor.to(stage)
+        run(staged)
+        tensor.copy_(staged)
 
     def _native_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
         raise NotImplementedError

@@ -116,9 +116,8 @@ class MpiTransport(Transport):
     def _native_all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None:
         """MPI_Allreduce in place. MPI has no 16-bit float type: those reduce in float32."""
         work = tensor
-        if tensor.dtype in (torch.float16, torch.bfloat16) or (
-                tensor.is_cuda and not self.device_tensors_ok):
-            work = tensor.to("cpu", torch.float32 if tensor.is_floating_point() else tensor.dtype)
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            work = tensor.float()
         buffer = as_buffer(work)
         request = self.comm.Iallreduce(mpi().IN_PLACE, buffer, getattr(mpi(), _MPI_OPS[op]))
         self._handle(request, "native all_reduce", buffer).wait()
@@ -131,12 +130,9 @@ class MpiTransport(Transport):
             tensor.copy_(work)
 
     def _native_broadcast(self, tensor: torch.Tensor, src: int = 0) -> None:
-        work = tensor if (not tensor.is_cuda or self.device_tensors_ok) else tensor.cpu()
-        buffer = as_buffer(work)
+        buffer = as_buffer(tensor)
         self._handle(self.comm.Ibcast(buffer, src), f"native broadcast from rank {src}",
                      buffer).wait()
-        if work is not tensor:
-            tensor.copy_(work)
 
     def _duplicate(self) -> "MpiTransport":
         return MpiTransport(self.local_rank, self.device, self.timeout, parent=self.comm)

@@ -59,6 +59,7 @@ class TorchDistTransport(Transport):
         super().__init__(rank, world_size, local_rank, device, timeout)
         self.backend = backend
         self.device_tensors_ok = backend == "nccl"
+        self.cpu_tensors_ok = backend != "nccl"
         self.group = group  # None: the default process group
         # The object whose methods move the bytes (see `pg`): the group's own, or
         # (over_store) a gloo instance of ours that torch.distributed does not know.

@@ -1,0 +1,120 @@
+"""CUDA tensors through every collective and through our DDP (run under torchrun).
+
+    torchrun --nproc-per-node 1 tests/checks_gpu.py nccl   # NCCL, one GPU, world size 1
+    torchrun --nproc-per-node 2 tests/checks_gpu.py gloo   # CUDA tensors staged by gloo
+    mpirun -np 2 python tests/checks_gpu.py mpi            # ... and by mpi4py
+
+NCCL needs a GPU per rank, so on one GPU it runs at world size 1; gloo and mpi move CUDA
+tensors through host memory, so any number of ranks may share the GPU. Each rank checks
+its results against a float64 reference computed on the CPU, that results stay on the
+GPU, and that our DDP on the GPU ends with torch DDP's parameters (torch DDP runs on the
+same torch.distributed backend, or on a gloo group for mpi). Prints `ok RANK DIGEST`.
+"""
+import hashlib
+import os
+import sys
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import collectives
+from collectives import algorithms
+from collectives.bootstrap import adopt_torch_group
+from checks_algorithms import make_input, reference, sizes_for
+from checks_ddp import batch, make_model, state
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int64]
+
+
+def check_all_reduce(comm, device, hasher):
+    n, rank = comm.world_size, comm.rank
+    for algorithm in algorithms.names("all_reduce"):
+        for dtype in DTYPES:
+            for op in ("sum", "avg", "max"):
+                for numel in sizes_for(n):
+                    tensor = make_input(rank, numel, dtype).to(device)
+                    collectives.all_reduce(tensor, op=op, algorithm=algorithm, comm=comm)
+                    assert tensor.device == device, (algorithm, tensor.device)
+                    expected, allowed = reference(n, numel, dtype, op)
+                    error = np.abs(tensor.cpu().double().numpy() - expected)
+                    assert (error <= allowed).all(), (algorithm, dtype, op, numel, error.max())
+                    hasher.update(tensor.cpu().view(-1).to(torch.float64).numpy().tobytes())
+
+
+def check_others(comm, device, hasher):
+    """broadcast, all_gather and reduce_scatter, every algorithm, on the GPU."""
+    n, rank = comm.world_size, comm.rank
+    inputs = [make_input(r, 8 * n, torch.float32) for r in range(n)]
+    for algorithm in algorithms.names("broadcast"):
+        tensor = inputs[rank].to(device)
+        collectives.broadcast(tensor, src=n - 1, algorithm=algorithm, comm=comm)
+        assert torch.equal(tensor.cpu(), inputs[n - 1]), ("broadcast", algorithm)
+    for algorithm in algorithms.names("all_gather"):
+        output = torch.empty(n * 8 * n, device=device)
+        collectives.all_gather(output, inputs[rank].to(device), algorithm=algorithm, comm=comm)
+        assert torch.equal(output.cpu(), torch.cat(inputs)), ("all_gather", algorithm)
+    total = torch.stack([x.double() for x in inputs]).sum(0)
+    for algorithm in algorithms.names("reduce_scatter"):
+        output = torch.empty(8, device=device)
+        collectives.reduce_scatter(output, inputs[rank].to(device), algorithm=algorithm,
+                                   comm=comm)
+        mine = total[rank * 8:(rank + 1) * 8]
+        torch.testing.assert_close(output.cpu().double(), mine, rtol=1e-5, atol=1e-5)
+        hasher.update(output.cpu().numpy().tobytes())
+
+
+def train(model, rank, world_size, device, steps=3):
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step in range(steps):
+        x, y = batch("resnet18", rank, world_size, step)
+        optimizer.zero_grad()
+        F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+        optimizer.step()
+
+
+def check_ddp(comm, device, backend, hasher):
+    """Our DDP on the GPU ends where torch's DDP on the GPU ends (3 ResNet-18 steps)."""
+    rank, n = comm.rank, comm.world_size
+    if backend == "mpi":  # torch has no mpi backend: torch DDP runs on a gloo group
+        store = dist.TCPStore("127.0.0.1", 29533, n, rank == 0)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=n)
+    theirs = torch.nn.parallel.DistributedDataParallel(make_model("resnet18").to(device))
+    train(theirs, rank, n, device)
+    ours = collectives.DistributedDataParallel(make_model("resnet18").to(device))
+    train(ours, rank, n, device)
+    expected, actual = state(theirs.module), state(ours.module)
+    for name in expected:
+        assert actual[name].device == device, name
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name} on rank {rank}: {m}")
+    for name in sorted(actual):
+        hasher.update(actual[name].cpu().numpy().tobytes())
+
+
+def main(backend):
+    torch.set_num_threads(1)
+    torch.backends.cudnn.deterministic = True  # so the two DDPs compute the same gradients
+    if backend == "nccl":  # init() needs no process group at world size 1: adopt one
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        dist.init_process_group("nccl")
+        comm = adopt_torch_group(timeout=120)
+        assert comm.device_tensors_ok, "nccl moves CUDA tensors itself"
+    else:
+        comm = collectives.init(backend=backend, timeout=120, device="cuda")
+    device = torch.device("cuda", torch.cuda.current_device())
+    hasher = hashlib.sha1()
+    check_all_reduce(comm, device, hasher)
+    check_others(comm, device, hasher)
+    check_ddp(comm, device, backend, hasher)
+    print(f"ok {comm.rank} {hasher.hexdigest()[:12]}", flush=True)
+    if backend == "nccl":
+        comm.close()
+        dist.destroy_process_group()
+    else:
+        collectives.destroy()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
