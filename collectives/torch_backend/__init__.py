@@ -69,8 +69,24 @@ def _group_of(backend: CollectivesBackend, store, rank: int, size: int) -> dist.
     return group
 
 
+def _require_python_backends() -> None:
+    """A clear error where this torch cannot run a backend written in Python.
+
+    Older torch cannot construct a Python subclass of its C++ Backend (2.14 can; 2.11
+    cannot): it would fail deep inside init_process_group with "No constructor
+    defined!"."""
+    try:
+        dist._Backend(0, 1)
+    except TypeError as error:
+        raise RuntimeError(
+            "the collectives torch.distributed backend needs a torch whose Backend can be "
+            f"written in Python (2.14 can); torch {torch.__version__} cannot ({error}). "
+            "collectives.init() and our DistributedDataParallel work on it.") from None
+
+
 def register() -> None:
     """Make "collectives" a torch.distributed backend (the entry point calls this)."""
+    _require_python_backends()
     dist.Backend.register_backend(NAME, _create, extended_api=True, devices=["cpu"])
 
 
@@ -101,6 +117,7 @@ def _create_mpi(options, backend_options=None):
 def use_for_mpi() -> None:
     """Run `init_process_group("mpi")` on this project's mpi4py transport (explicit
     opt-in: a torch built with MPI keeps its own unless this is called)."""
+    _require_python_backends()
     dist.Backend.register_backend("mpi", _create_mpi, extended_api=True, devices=["cpu"])
 
 
