@@ -299,7 +299,7 @@ class CollectivesBackend(dist._Backend):
 
     def monitored_barrier(self, opts=None, wait_all_ranks=False):
         timeout = getattr(opts, "timeout", None)
-        if timeout is None or timeout <= timedelta(0):
+        if timeout is None or timeout < timedelta(0):  # torch's "unset" is -1 ms; 0 is 0
             timeout = self.timeout
         # After everything queued before it (waiting only on this rank's own queue),
         # then gloo's (or MPI's) barrier that names the ranks that did not arrive.
