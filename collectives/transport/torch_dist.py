@@ -44,6 +44,9 @@ class _TorchHandle(Handle):
             self.work.wait(self.timeout)
         except RuntimeError as error:
             first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            if "timed out" in first_line.lower():  # gloo's "Operation timed out!"
+                first_line = (f"no answer within the timeout of "
+                              f"{self.timeout.total_seconds():g} s ({first_line})")
             raise PeerError(f"{self.what} failed: {first_line}") from error
 
     def test(self) -> bool:
