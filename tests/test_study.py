@@ -77,3 +77,23 @@ def test_compare_starts_each_job_with_the_chosen_launcher():
         compare.main(["--sync", "allreduce", "--hosts", "2", "--launcher", "torchrun"])
     with pytest.raises(SystemExit):
         compare.main(["--sync", "no-such-sync"])
+
+
+def test_compare_writes_table_plot_and_every_jobs_epochs(tmp_path, monkeypatch):
+    """The files a comparison leaves (jobs stood in for: each would train for minutes)."""
+    def fake_job(entry, args, trainer_flags, folder):
+        accuracy = {"ddp": (0.80, 0.96), "bf16": (0.95, 0.97)}[entry]
+        epochs = [dict(epoch=e + 1, train_seconds=10.0, comm_bytes=2**20 * 30, steps=30,
+                       images_per_s=12.0, test_acc=a) for e, a in enumerate(accuracy)]
+        return {"sync": entry, "epochs": epochs, "wall_s": 25.0}
+    monkeypatch.setattr(compare, "run_one", fake_job)
+    out = tmp_path / "cmp"
+    assert compare.main(["--sync", "ddp,bf16", "--launcher", "torchrun", "--out", str(out)]) == 0
+    lines = (tmp_path / "cmp.md").read_text().splitlines()
+    assert lines[0].startswith("Made by `python -m trainer.compare --sync ddp,bf16")
+    assert "| ddp | 96.00% | 20 | 20 | 2 | 12.0 | 1.00 | 25 |" in lines
+    assert "| bf16 | 97.00% | 10 | 20 | 2 | 12.0 | 1.00 | 25 |" in lines
+    jobs = [json.loads(line) for line in open(tmp_path / "cmp.jsonl")]
+    assert [job["sync"] for job in jobs] == ["ddp", "bf16"]
+    assert [e["test_acc"] for e in jobs[1]["epochs"]] == [0.95, 0.97]
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000

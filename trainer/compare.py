@@ -18,8 +18,9 @@ ends each job at the first epoch that reaches ACC).
 
 Time is training time: the sum of the epochs' training loops, without evaluation and
 start-up. Bytes are what each rank sent (on the emulated cluster: its host's NIC).
-Writes OUT.md (the table) and OUT.png (test accuracy against training time and
-against MiB sent per rank), and prints the table:
+Writes OUT.md (the table), OUT.png (test accuracy against training time and against
+MiB sent per rank) and OUT.jsonl (each job's epochs as the trainer's --metrics wrote
+them, one line per job), and prints the table:
 
     sync | final test acc | time to target (s) | training time (s) | epochs | images/s |
     MiB sent per rank per step | wall time (s)
@@ -166,14 +167,17 @@ def main(argv=None) -> int:
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")
     rows = []
-    with tempfile.TemporaryDirectory() as folder:
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with tempfile.TemporaryDirectory() as folder, open(args.out + ".jsonl", "w") as jobs:
         for entry in entries:
             print(f"training with {entry} ...", flush=True)
-            rows.append(summarize(run_one(entry, args, trainer_flags, folder), args.target))
+            job = run_one(entry, args, trainer_flags, folder)
+            jobs.write(json.dumps(job) + "\n")
+            jobs.flush()  # a later job's failure leaves the finished ones on disk
+            rows.append(summarize(job, args.target))
             print(table(rows[-1:], args.target).splitlines()[-1], flush=True)
     text = table(rows, args.target)
     command = "python -m trainer.compare " + " ".join(argv if argv is not None else sys.argv[1:])
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out + ".md", "w") as out:
         out.write(f"Made by `{command}`\n\n{text}\n")
     plot(rows, args.out + ".png", args.target)
