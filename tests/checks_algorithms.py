@@ -59,21 +59,24 @@ def digest(tensor):
     return hashlib.sha1(raw.numpy().tobytes()).hexdigest()[:12]
 
 
-def check_all_reduce(comm, algorithm_names=None, dtypes=DTYPES, ops=OPS):
-    n, rank = comm.world_size, comm.rank
+def check_all_reduce(comm, algorithm_names=None, dtypes=DTYPES, ops=OPS, device="cpu"):
+    """device: where the tensors live (a GPU's are checked to stay there)."""
+    n, rank, device = comm.world_size, comm.rank, torch.device(device)
     digests = {}
     for algorithm in algorithm_names or algorithms.names("all_reduce"):
         for dtype in dtypes:
             for op in ops:
                 for numel in sizes_for(n):
-                    tensor = make_input(rank, numel, dtype)
+                    tensor = make_input(rank, numel, dtype).to(device)
                     collectives.all_reduce(tensor, op=op, algorithm=algorithm, comm=comm)
+                    assert tensor.device == device, (algorithm, tensor.device)
+                    result = tensor.cpu()
                     expected, allowed = reference(n, numel, dtype, op)
-                    error = np.abs(tensor.double().numpy() - expected)
+                    error = np.abs(result.double().numpy() - expected)
                     assert (error <= allowed).all(), (
                         f"{algorithm} {op} {dtype} numel={numel}: max error "
                         f"{error.max()} > allowed {allowed[error.argmax()]}")
-                    digests[(algorithm, str(dtype), op, numel)] = digest(tensor)
+                    digests[(algorithm, str(dtype), op, numel)] = digest(result)
     return digests
 
 
