@@ -125,7 +125,8 @@ def plot(rows: List[Dict], path: str, target: float) -> None:
         axis.set_xlabel(label)
         axis.set_ylabel("test accuracy (%)")
         axis.grid(True, alpha=0.3)
-    by_bytes.set_xscale("symlog")
+    by_bytes.set_xscale("symlog")  # logarithmic, but a run that sent nothing still shows
+    by_bytes.set_xlim(left=0)       # (no negative ticks: bytes are never below zero)
     by_time.legend(fontsize=8)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
