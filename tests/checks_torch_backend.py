@@ -83,6 +83,15 @@ def check_reductions(gloo, rank, size):
     assert work.wait() is True
     assert future_value[0] is ours or torch.equal(future_value[0], ours)
     same(ours, ref, "all_reduce async")
+    # a blocking call runs on the caller's thread; its Work is finished when returned
+    # and makes its future only when asked: the future must still carry the result
+    ours = values(rank)
+    opts = dist.AllreduceOptions()
+    opts.asyncOp = False
+    work = dist.distributed_c10d._get_default_group().allreduce([ours], opts)
+    assert work.wait() is True
+    assert torch.equal(work.get_future().wait()[0], ours)
+    same(ours, ref, "all_reduce run on the caller's thread")
     tensors, refs = [values(rank), values(rank, 3)], [values(rank), values(rank, 3)]
     dist.all_reduce_coalesced(tensors)
     dist.all_reduce_coalesced(refs, group=gloo)

@@ -20,6 +20,7 @@ What torch asks for that our algorithms do not do directly:
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import weakref
 from datetime import timedelta
@@ -55,7 +56,13 @@ def op_of(opts):
 
 def chosen_algorithm(collective: str) -> str:
     """COLLECTIVES_ALGORITHM where it names one of this collective's algorithms, else auto."""
-    wanted = os.environ.get("COLLECTIVES_ALGORITHM", "auto").strip() or "auto"
+    return _algorithm_for(os.environ.get("COLLECTIVES_ALGORITHM", "auto"), collective)
+
+
+@functools.lru_cache(maxsize=None)
+def _algorithm_for(wanted: str, collective: str) -> str:
+    """chosen_algorithm's answer, worked out once per value of the variable."""
+    wanted = wanted.strip() or "auto"
     if wanted not in algorithms.names("all_reduce"):
         raise ValueError(f"COLLECTIVES_ALGORITHM={wanted!r}: choose from "
                          f"{', '.join(algorithms.names('all_reduce'))}")
@@ -139,17 +146,17 @@ class CollectivesBackend(dist._Backend):
         return run_and_record
 
     # --- reductions ------------------------------------------------------------------------
-    def _all_reduce_in_place(self, tensor: torch.Tensor, torch_op) -> None:
-        op, factor = reduce_op(torch_op)
+    def _all_reduce_in_place(self, tensor: torch.Tensor, op: str, factor, algorithm: str):
         if factor is not None:
             tensor.mul_(factor)
-        api.all_reduce(tensor, op, chosen_algorithm("all_reduce"), self.comm)
+        api.all_reduce(tensor, op, algorithm, self.comm)
 
     def allreduce(self, tensors, opts=None):
-        op = op_of(opts)
-        reduce_op(op)  # a bad op fails in the caller, not on the worker
-        return self._submit("all_reduce", lambda: [self._all_reduce_in_place(t, op)
-                                                   for t in tensors], list(tensors), opts=opts)
+        op, factor = reduce_op(op_of(opts))  # a bad op fails in the caller, not on the worker
+        algorithm = chosen_algorithm("all_reduce")
+        return self._submit("all_reduce", lambda: [
+            self._all_reduce_in_place(t, op, factor, algorithm) for t in tensors],
+            list(tensors), opts=opts)
 
     def allreduce_coalesced(self, tensors, opts=None):
         op, factor = reduce_op(op_of(opts))
@@ -164,10 +171,13 @@ class CollectivesBackend(dist._Backend):
     def reduce(self, tensors, opts):
         op, root = opts.reduceOp, opts.rootRank
 
+        op, factor = reduce_op(op)
+        algorithm = chosen_algorithm("all_reduce")
+
         def run():
             for tensor in tensors:
                 target = tensor if self.comm.rank == root else tensor.clone()
-                self._all_reduce_in_place(target, op)
+                self._all_reduce_in_place(target, op, factor, algorithm)
         return self._submit("reduce", run, list(tensors), opts=opts)
 
     def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, torch_op,

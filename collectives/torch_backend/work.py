@@ -40,25 +40,36 @@ from ..transport import PeerError
 class Work(dist._Work):
     """One operation of a process group: finished by the worker, waited on by the caller."""
 
-    def __init__(self, what: str, outputs: List[torch.Tensor], timeout: timedelta):
+    def __init__(self, what: str, outputs: List[torch.Tensor], timeout: timedelta,
+                 queued: bool = True):
         super().__init__()
         self._what = what
         self._outputs = outputs          # what get_future() yields, as torch's backends
         self._timeout = timeout         # the group's: used when wait() is given none
         self._error: Optional[BaseException] = None
-        self._done = threading.Event()
-        self._future = torch.futures.Future()
+        self._finished = False
+        # A Work run on the caller's thread is finished before anyone can wait on it:
+        # it needs no event, and its future is made only if asked for (both cost
+        # microseconds on every blocking call). A queued one is waited on across threads.
+        self._done = threading.Event() if queued else None
+        self._future = torch.futures.Future() if queued else None
 
     # --- the worker's side ---------------------------------------------------------------
     def finish(self, error: Optional[BaseException] = None) -> None:
         self._error = error
-        self._done.set()
+        self._finished = True
+        if self._done is not None:
+            self._done.set()
+        if self._future is not None:
+            self._settle(self._future)
+
+    def _settle(self, future: torch.futures.Future) -> None:
         # Callbacks chained with then() run here, on the worker (DDP copies its bucket
         # back into the gradients this way).
-        if error is None:
-            self._future.set_result(self._outputs)
+        if self._error is None:
+            future.set_result(self._outputs)
         else:
-            self._future.set_exception(error)
+            future.set_exception(self._error)
 
     def describe(self) -> str:
         return self._what
@@ -68,7 +79,7 @@ class Work(dist._Work):
         """Block until done; raise its error, or PeerError if `timeout` (zero: the
         group's timeout) passes first."""
         limit = timeout if timeout > timedelta(0) else self._timeout
-        if not self._done.wait(limit.total_seconds()):
+        if not self._finished and not self._done.wait(limit.total_seconds()):
             raise PeerError(f"{self._what} did not complete within "
                             f"{limit.total_seconds():g} s (a peer stalled or died)")
         if self._error is not None:
@@ -76,6 +87,9 @@ class Work(dist._Work):
         return True
 
     def get_future(self) -> torch.futures.Future:
+        if self._future is None:  # run on the caller's thread: finished already
+            self._future = torch.futures.Future()
+            self._settle(self._future)
         return self._future
 
 
@@ -98,10 +112,10 @@ class Worker:
         `inline` and nothing is pending, run it on this thread and return it finished."""
         if not self.thread.is_alive():
             raise RuntimeError(f"{what}: the process group was destroyed")
-        work = Work(what, outputs, self.timeout)
         with self.lock:
             here = inline and self.pending == 0
             self.pending += 1
+            work = Work(what, outputs, self.timeout, queued=not here)
             if not here:
                 self.jobs.put((work, run))
         if here:
