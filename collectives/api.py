@@ -44,6 +44,9 @@ ALGORITHM_IDS = {name: i for i, name in enumerate(
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{what} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise TypeError(f"{what} is a {tensor.layout} tensor: collectives move dense "
+                        f"tensors only (call .to_dense() first)")
     if not tensor.is_contiguous():
         raise ValueError(f"{what} must be contiguous (call .contiguous() first)")
     if tensor.dtype not in SUPPORTED_DTYPES:

@@ -60,3 +60,15 @@ def test_dead_peer_fails_within_the_timeout():
         assert status == "raised", f"rank {rank} did not notice its peer died"
         assert "PeerError" in message and "rank" in message, message
         assert seconds < 15, f"rank {rank} took {seconds:.1f} s"
+
+
+@pytest.mark.parametrize("tensor, error, words", [
+    (torch.eye(3).to_sparse(), TypeError, "dense tensors only"),
+    (torch.ones(4, 4).t(), ValueError, "contiguous"),
+    (torch.ones(4, dtype=torch.complex64), TypeError, "dtype"),
+])
+def test_a_tensor_no_collective_can_move_is_refused_before_anything_is_sent(tensor, error,
+                                                                           words):
+    # checked in the caller, before any communicator is needed
+    with pytest.raises(error, match=words):
+        collectives.all_reduce(tensor)
