@@ -169,9 +169,8 @@ class CollectivesBackend(dist._Backend):
         return self._submit("all_reduce_coalesced", run, list(tensors), opts=opts)
 
     def reduce(self, tensors, opts):
-        op, root = opts.reduceOp, opts.rootRank
-
-        op, factor = reduce_op(op)
+        root = opts.rootRank
+        op, factor = reduce_op(opts.reduceOp)
         algorithm = chosen_algorithm("all_reduce")
 
         def run():
