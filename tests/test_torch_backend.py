@@ -96,6 +96,21 @@ def test_without_the_opt_in_mpi_says_how():
     assert "COLLECTIVES_TORCH_MPI=1" in out.stdout, out.stdout + out.stderr
 
 
+def test_a_bad_algorithm_setting_fails_when_the_group_is_made():
+    """COLLECTIVES_ALGORITHM is read once, when the group is made: a bad value is named
+    there (a world of one, nothing to wait for), not at the first collective."""
+    code = ("import torch.distributed as dist\n"
+            "try:\n"
+            "    dist.init_process_group('collectives', store=dist.HashStore(), rank=0,\n"
+            "                            world_size=1)\n"
+            "except ValueError as error:\n"
+            "    print('refused:', error)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=dict(ENV, COLLECTIVES_ALGORITHM="butterfly"), timeout=120)
+    assert "refused: COLLECTIVES_ALGORITHM='butterfly': choose from auto" in out.stdout, \
+        out.stdout + out.stderr
+
+
 @pytest.mark.timeout(120)
 def test_a_script_that_never_destroys_its_group_exits_cleanly():
     """As with torch's gloo: exit closes our groups first (else: SIGABRT at exit)."""

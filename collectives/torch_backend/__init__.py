@@ -26,8 +26,9 @@ algorithms over MPI point-to-point (MPI's own all-reduce is the `native` algorit
 COLLECTIVES_ALGORITHM=native); ranks on one host talk through shared memory
 (COLLECTIVES_SHM=off to stop it); rank and world size come from MPI, as with torch's.
 
-Settings (environment): COLLECTIVES_ALGORITHM (an all-reduce algorithm, used by the
-other collectives where they have one of that name), COLLECTIVES_SHM (auto, on, off).
+Settings (environment, read when a group is made): COLLECTIVES_ALGORITHM (an
+all-reduce algorithm, used by the other collectives where they have one of that name),
+COLLECTIVES_SHM (auto, on, off).
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .backend import CollectivesBackend
+from .backend import CollectivesBackend, chosen_algorithms
 from .routes import gloo_channels, mpi_channels
 
 NAME = "collectives"
@@ -47,10 +48,11 @@ MPI_OPT_IN = "COLLECTIVES_TORCH_MPI"
 def _create(options, backend_options=None, name: str = NAME) -> CollectivesBackend:
     """torch's call for each new group of "collectives": gloo route (routes.py).
     `name`: what the backend calls itself (tests/torch_suite.py --as-gloo: "gloo")."""
+    algorithm = chosen_algorithms()  # a bad setting fails before anything is built
     comm, p2p = gloo_channels(options.store, options.group_rank, options.group_size,
                               options.timeout)
     backend = CollectivesBackend(options.group_rank, options.group_size, comm, p2p,
-                                 options.timeout, name=name)
+                                 options.timeout, algorithm, name=name)
     if dist.get_debug_level() == dist.DebugLevel.DETAIL:
         # torch would wrap the backend in its debug wrapper, which asks the backend's
         # name from C++, a question torch 2.14 does not pass on to a backend written
@@ -97,21 +99,23 @@ def _default_mpi_group(timeout: timedelta) -> dist.ProcessGroup:
     from ..bootstrap import _rendezvous_address
     from ..launch import detect_launch
     from ..transport.mpi import mpi
+    algorithm = chosen_algorithms()
     world = mpi().COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
     host, port = _rendezvous_address(detect_launch(mpi_world_size=size))
     store = dist.TCPStore(host, port, size, rank == 0, timeout)
     comm, p2p = mpi_channels([], timeout)
-    return _group_of(CollectivesBackend(rank, size, comm, p2p, timeout, name="mpi"), store,
-                     rank, size)
+    return _group_of(CollectivesBackend(rank, size, comm, p2p, timeout, algorithm, name="mpi"),
+                     store, rank, size)
 
 
 def _create_mpi(options, backend_options=None):
     if options.group_size == -1:
         return _default_mpi_group(options.timeout)
+    algorithm = chosen_algorithms()
     comm, p2p = mpi_channels(list(options.global_ranks_in_group), options.timeout)
     return CollectivesBackend(options.group_rank, options.group_size, comm, p2p,
-                              options.timeout, name="mpi")
+                              options.timeout, algorithm, name="mpi")
 
 
 def use_for_mpi() -> None:

@@ -20,11 +20,10 @@ What torch asks for that our algorithms do not do directly:
 from __future__ import annotations
 
 import atexit
-import functools
 import os
 import weakref
 from datetime import timedelta
-from typing import Callable, List
+from typing import Callable, Dict, List
 
 import torch
 import torch.distributed as dist
@@ -34,19 +33,24 @@ from ..bootstrap import EXIT_GRACE_SECONDS
 from ..transport import Transport
 from .work import Work, Worker
 
-_OPS = {dist.ReduceOp.SUM: "sum", dist.ReduceOp.AVG: "avg", dist.ReduceOp.MAX: "max",
-        dist.ReduceOp.MIN: "min", dist.ReduceOp.PRODUCT: "product",
-        dist.ReduceOp.BAND: "band", dist.ReduceOp.BOR: "bor", dist.ReduceOp.BXOR: "bxor"}
+# Keyed by the RedOpType's .value, a plain int: on a machine whose cores are shared, the
+# caches are cold at every call, and each read from torch's bound objects costs ~10 us
+# (hashing the enum itself costs another read).
+_OPS = {kind.value: name for kind, name in (
+    (dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"), (dist.ReduceOp.MAX, "max"),
+    (dist.ReduceOp.MIN, "min"), (dist.ReduceOp.PRODUCT, "product"),
+    (dist.ReduceOp.BAND, "band"), (dist.ReduceOp.BOR, "bor"), (dist.ReduceOp.BXOR, "bxor"))}
 
 
 def reduce_op(op) -> tuple:
     """(our op name, premul factor or None) for torch's ReduceOp."""
     kind = getattr(op, "op", op)  # a ReduceOp, or already its RedOpType
+    name = _OPS.get(kind.value)   # the common case first: it runs on every call
+    if name is not None:
+        return name, None
     if kind == dist.ReduceOp.PREMUL_SUM:
         return "sum", op.factor
-    if kind not in _OPS:
-        raise ValueError(f"reduce op {kind} is not supported by the collectives backend")
-    return _OPS[kind], None
+    raise ValueError(f"reduce op {kind} is not supported by the collectives backend")
 
 
 def op_of(opts):
@@ -54,19 +58,16 @@ def op_of(opts):
     return opts.reduceOp if opts is not None else dist.ReduceOp.SUM
 
 
-def chosen_algorithm(collective: str) -> str:
-    """COLLECTIVES_ALGORITHM where it names one of this collective's algorithms, else auto."""
-    return _algorithm_for(os.environ.get("COLLECTIVES_ALGORITHM", "auto"), collective)
-
-
-@functools.lru_cache(maxsize=None)
-def _algorithm_for(wanted: str, collective: str) -> str:
-    """chosen_algorithm's answer, worked out once per value of the variable."""
-    wanted = wanted.strip() or "auto"
+def chosen_algorithms() -> Dict[str, str]:
+    """Each collective's algorithm: the one COLLECTIVES_ALGORITHM names where that
+    collective has it, else auto. Read once, when a group is made (as NCCL reads its
+    NCCL_ALGO), so a bad value fails there and a call pays nothing for it."""
+    wanted = os.environ.get("COLLECTIVES_ALGORITHM", "auto").strip() or "auto"
     if wanted not in algorithms.names("all_reduce"):
         raise ValueError(f"COLLECTIVES_ALGORITHM={wanted!r}: choose from "
                          f"{', '.join(algorithms.names('all_reduce'))}")
-    return wanted if wanted in algorithms.names(collective) else "auto"
+    return {collective: wanted if wanted in algorithms.names(collective) else "auto"
+            for collective in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")}
 
 
 def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
@@ -102,9 +103,11 @@ class CollectivesBackend(dist._Backend):
     """One process group of the "collectives" backend (or of "mpi", see use_for_mpi)."""
 
     def __init__(self, rank: int, size: int, comm: Transport, p2p, timeout: timedelta,
-                 name: str = "collectives"):
+                 algorithm: Dict[str, str], name: str = "collectives"):
+        """algorithm: chosen_algorithms(), read before the channels were built."""
         super().__init__(rank, size)
         self.comm, self.p2p, self.timeout, self.backend_name = comm, p2p, timeout, name
+        self.algorithm = algorithm
         self.worker = Worker(f"{name} backend, group of {size}", timeout)
         _live.add(self)
 
@@ -153,7 +156,7 @@ class CollectivesBackend(dist._Backend):
 
     def allreduce(self, tensors, opts=None):
         op, factor = reduce_op(op_of(opts))  # a bad op fails in the caller, not on the worker
-        algorithm = chosen_algorithm("all_reduce")
+        algorithm = self.algorithm["all_reduce"]
         return self._submit("all_reduce", lambda: [
             self._all_reduce_in_place(t, op, factor, algorithm) for t in tensors],
             list(tensors), opts=opts)
@@ -165,13 +168,13 @@ class CollectivesBackend(dist._Backend):
             if factor is not None:
                 for tensor in tensors:
                     tensor.mul_(factor)
-            api.all_reduce_coalesced(tensors, op, chosen_algorithm("all_reduce"), self.comm)
+            api.all_reduce_coalesced(tensors, op, self.algorithm["all_reduce"], self.comm)
         return self._submit("all_reduce_coalesced", run, list(tensors), opts=opts)
 
     def reduce(self, tensors, opts):
         root = opts.rootRank
         op, factor = reduce_op(opts.reduceOp)
-        algorithm = chosen_algorithm("all_reduce")
+        algorithm = self.algorithm["all_reduce"]
 
         def run():
             for tensor in tensors:
@@ -186,7 +189,7 @@ class CollectivesBackend(dist._Backend):
         scratch = input.contiguous().clone() if copy else input
         if factor is not None:
             scratch.mul_(factor)
-        api.reduce_scatter(output, scratch, op, chosen_algorithm("reduce_scatter"), self.comm)
+        api.reduce_scatter(output, scratch, op, self.algorithm["reduce_scatter"], self.comm)
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         op = op_of(opts)
@@ -216,13 +219,13 @@ class CollectivesBackend(dist._Backend):
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
         return self._submit("broadcast", lambda: [
-            api.broadcast(_bytes_view(t), root, chosen_algorithm("broadcast"), self.comm)
+            api.broadcast(_bytes_view(t), root, self.algorithm["broadcast"], self.comm)
             for t in tensors],
             list(tensors), opts=opts)
 
     def _all_gather_list(self, outputs, input) -> None:
         api.all_gather([_bytes_view(t) for t in outputs], _bytes_view(input.contiguous()),
-                       chosen_algorithm("all_gather"), self.comm)
+                       self.algorithm["all_gather"], self.comm)
 
     def allgather(self, output_lists, input_list, opts=None):
         return self._submit("all_gather", lambda: [
@@ -239,7 +242,7 @@ class CollectivesBackend(dist._Backend):
 
     def all_gather_single(self, output, input, opts=None):
         return self._submit("all_gather_into_tensor", lambda: api.all_gather(
-            _bytes_view(output), _bytes_view(input.contiguous()), chosen_algorithm("all_gather"),
+            _bytes_view(output), _bytes_view(input.contiguous()), self.algorithm["all_gather"],
             self.comm), [output], opts=opts, inputs=[input])
 
     _allgather_base = all_gather_single
@@ -247,7 +250,7 @@ class CollectivesBackend(dist._Backend):
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
         return self._submit("all_gather_into_tensor_coalesced", lambda: [
             api.all_gather(_bytes_view(o), _bytes_view(i.contiguous()),
-                           chosen_algorithm("all_gather"), self.comm)
+                           self.algorithm["all_gather"], self.comm)
             for o, i in zip(outputs, inputs)], list(outputs), opts=opts, inputs=list(inputs))
 
     def gather(self, output_lists, input_list, opts):

@@ -78,10 +78,11 @@ class Work(dist._Work):
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         """Block until done; raise its error, or PeerError if `timeout` (zero: the
         group's timeout) passes first."""
-        limit = timeout if timeout > timedelta(0) else self._timeout
-        if not self._finished and not self._done.wait(limit.total_seconds()):
-            raise PeerError(f"{self._what} did not complete within "
-                            f"{limit.total_seconds():g} s (a peer stalled or died)")
+        if not self._finished:  # (a blocking call's Work is finished: skip the rest)
+            limit = timeout if timeout > timedelta(0) else self._timeout
+            if not self._done.wait(limit.total_seconds()):
+                raise PeerError(f"{self._what} did not complete within "
+                                f"{limit.total_seconds():g} s (a peer stalled or died)")
         if self._error is not None:
             raise self._error
         return True
@@ -103,6 +104,7 @@ class Worker:
         self.lock = threading.Lock()      # guards `pending`
         self.pending = 0                  # submitted and not yet finished
         self.running = threading.Lock()   # held while a job runs, here or in the caller
+        self.stopped = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -110,7 +112,7 @@ class Worker:
                inline: bool = False) -> Work:
         """Queue `run` (which fills `outputs`) and return its Work at once; or, when
         `inline` and nothing is pending, run it on this thread and return it finished."""
-        if not self.thread.is_alive():
+        if self.stopped:
             raise RuntimeError(f"{what}: the process group was destroyed")
         with self.lock:
             here = inline and self.pending == 0
@@ -149,7 +151,8 @@ class Worker:
                     self.pending -= 1
 
     def stop(self) -> None:
-        """Let queued operations finish, then end the thread."""
+        """Let queued operations finish, then end the thread; refuse new ones."""
+        self.stopped = True
         self.jobs.put(None)
 
     def join(self, seconds: float) -> None:
