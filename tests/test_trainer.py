@@ -119,7 +119,7 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_mixed_precision_runs(amp, tmp_path):
     # One step and one test batch: autocast on the CPU is slow (16-bit convolutions)
-    out = run(trainer("--train-samples", "16", "--test-samples", "16", "--batch-size", "16",
+    out = run(trainer("--train-samples", "4", "--test-samples", "4", "--batch-size", "4",
                       "--epochs", "1", "--amp", amp, "--metrics", "m.jsonl"), tmp_path)
     (record,) = read_metrics(tmp_path / "m.jsonl")
     assert record["train_loss"] == record["train_loss"], "loss is NaN"  # NaN != NaN
