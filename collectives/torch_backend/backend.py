@@ -67,7 +67,7 @@ def chosen_algorithms() -> Dict[str, str]:
         raise ValueError(f"COLLECTIVES_ALGORITHM={wanted!r}: choose from "
                          f"{', '.join(algorithms.names('all_reduce'))}")
     return {collective: wanted if wanted in algorithms.names(collective) else "auto"
-            for collective in ("all_reduce", "broadcast", "all_gather", "reduce_scatter")}
+            for collective in algorithms.TABLES}
 
 
 def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
