@@ -19,8 +19,10 @@ from collectives.spawn import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ("check_reductions", "check_movement", "check_point_to_point", "check_subgroups",
-          "check_disagreement")
-TRAININGS = ("ddp", "ddp-fp16-hook", "ddp-bucket-view", "ddp-static-graph", "zero", "fsdp2")
+          "check_disagreement", "check_chained_callbacks")
+TRAININGS = ("ddp", "ddp-fp16-hook", "ddp-bucket-view", "ddp-static-graph", "ddp-powersgd",
+             "ddp-bf16-powersgd", "ddp-post-local-sgd",
+             "ddp-powersgd-buckets", "zero", "fsdp2")
 ENV = dict(os.environ, OMP_NUM_THREADS="1")
 
 

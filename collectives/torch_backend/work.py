@@ -13,6 +13,20 @@ caller's own thread when nothing of the group is queued or running: the result i
 same, and it saves the hand-over to the worker and back, which costs most on a
 machine whose cores are all busy.
 
+Callbacks chained on a Work's future (`get_future().then(...)`) run on the thread that
+finishes the Work: the worker. torch's PowerSGD hook (and any hook that chains
+collectives) issues the next all-reduce from inside such a callback and waits for it:
+
+    worker:  run all_reduce A  ->  finish A  ->  callback(A): all_reduce B, wait(B)
+                                                               |
+                        queued behind the callback, B would never run: a deadlock
+
+So a collective issued from the thread that is running one of this group's operations
+runs right there, nested, before the worker takes the next one from its queue. That is
+the same point in every rank's sequence (after A, before whatever was queued behind
+it), so the ranks still agree on the order. Waiting there on an operation that is
+still queued could never end: it raises at once instead.
+
 `Work` is ours, not torch's `_create_work_from_future`: a Work built from a failed
 future still returns True from wait() and ignores the timeout, so a dead peer looks
 like success. Ours re-raises the error from wait() and from get_future()'s value, and
@@ -41,9 +55,10 @@ class Work(dist._Work):
     """One operation of a process group: finished by the worker, waited on by the caller."""
 
     def __init__(self, what: str, outputs: List[torch.Tensor], timeout: timedelta,
-                 queued: bool = True):
+                 queued: bool = True, worker: Optional["Worker"] = None):
         super().__init__()
         self._what = what
+        self._worker = worker            # to refuse a wait that could never end
         self._outputs = outputs          # what get_future() yields, as torch's backends
         self._timeout = timeout         # the group's: used when wait() is given none
         self._error: Optional[BaseException] = None
@@ -79,6 +94,11 @@ class Work(dist._Work):
         """Block until done; raise its error, or PeerError if `timeout` (zero: the
         group's timeout) passes first."""
         if not self._finished:  # (a blocking call's Work is finished: skip the rest)
+            if self._worker is not None and self._worker.running_here():
+                raise RuntimeError(
+                    f"{self._what} was waited on from inside an operation (or a callback "
+                    "chained on one) of the same process group, and is queued behind it: it "
+                    "could never finish. Issue it from the callback, or wait outside.")
             limit = timeout if timeout > timedelta(0) else self._timeout
             if not self._done.wait(limit.total_seconds()):
                 raise PeerError(f"{self._what} did not complete within "
@@ -103,21 +123,25 @@ class Worker:
         self.broken: Optional[BaseException] = None  # the first failure; refuses the rest
         self.lock = threading.Lock()      # guards `pending`
         self.pending = 0                  # submitted and not yet finished
-        self.running = threading.Lock()   # held while a job runs, here or in the caller
+        # Held while a job runs, here or in the caller; re-entered by a job nested in it.
+        self.running = threading.RLock()
+        self._running_on: Optional[int] = None  # the thread running a job now, if any
         self.stopped = False
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
     def submit(self, what: str, run: Callable[[], None], outputs: List[torch.Tensor],
                inline: bool = False) -> Work:
-        """Queue `run` (which fills `outputs`) and return its Work at once; or, when
-        `inline` and nothing is pending, run it on this thread and return it finished."""
+        """Queue `run` (which fills `outputs`) and return its Work at once; or run it
+        on this thread and return it finished: when `inline` and nothing is pending, and
+        always when issued from inside a running job (a chained callback, see above)."""
         if self.stopped:
             raise RuntimeError(f"{what}: the process group was destroyed")
+        nested = self.running_here()
         with self.lock:
-            here = inline and self.pending == 0
+            here = nested or (inline and self.pending == 0)
             self.pending += 1
-            work = Work(what, outputs, self.timeout, queued=not here)
+            work = Work(what, outputs, self.timeout, queued=not here, worker=self)
             if not here:
                 self.jobs.put((work, run))
         if here:
@@ -131,8 +155,14 @@ class Worker:
                 return
             self._execute(*job)
 
+    def running_here(self) -> bool:
+        """Whether the calling thread is running one of this group's operations (or a
+        callback that finishing one set off)."""
+        return self._running_on == threading.get_ident()
+
     def _execute(self, work: Work, run: Callable[[], None]) -> None:
         with self.running:
+            outer, self._running_on = self._running_on, threading.get_ident()
             try:
                 if self.broken is not None:
                     work.finish(RuntimeError(
@@ -147,6 +177,7 @@ class Worker:
                 else:
                     work.finish()
             finally:
+                self._running_on = outer
                 with self.lock:
                     self.pending -= 1
 
