@@ -110,3 +110,38 @@ def ring_with_full_channels(comm):
 @pytest.mark.timeout(120)
 def test_a_ring_of_relays_does_not_wait_on_itself():
     assert run_world(ring_with_full_channels, 3, shm="on") == [True] * 3
+
+
+def forward_target_exits(comm):
+    """Rank 1 relays rank 0's 8 MiB message to rank 2, which has exited: once its 4
+    outgoing slots are full, the relay's send half waits on rank 2 alone, and must see
+    that rank 2 is gone (not wait out the 60 s timeout watching rank 0, still alive)."""
+    from collectives.transport import PeerError
+    numel = 2 << 20  # 8 MiB of float32: twice what the 4 slots of a channel hold
+    if comm.rank == 2:
+        os._exit(3)
+    if comm.rank == 0:
+        comm.send(torch.ones(numel), 1)
+        try:  # stay alive (and so watched) until rank 1 has its answer
+            comm.recv(torch.empty(1), 1)
+        except PeerError:
+            pass
+        return None
+    relay = comm.irecv_reduce(torch.ones(numel), 0, "sum", forward_to=2)
+    relay.wait()  # the sum of each piece is in our buffer or on its way to rank 2
+    started = time.monotonic()
+    try:
+        relay.forward.wait()
+        outcome = "no error", 0.0
+    except PeerError as error:
+        outcome = str(error), time.monotonic() - started
+    comm.send(torch.ones(1), 0)
+    return outcome
+
+
+@pytest.mark.timeout(180)
+def test_a_relay_whose_target_exits_is_an_error_within_seconds():
+    _, (message, seconds), _ = run_world(forward_target_exits, 3, shm="on", init_timeout=60,
+                                         timeout=120, may_die=(2,))
+    assert "rank 2" in message and "has exited" in message, message
+    assert seconds < 15.0, seconds

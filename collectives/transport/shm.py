@@ -66,7 +66,7 @@ import secrets
 import sys
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 
@@ -243,7 +243,10 @@ class _Forward(Handle):
 
     def wait(self) -> None:
         relay = self.relay
-        relay.transport.wait_for(relay, lambda: relay.sent >= relay.size)
+        # the sum waits on both neighbours: pieces from the source, free slots from the
+        # rank it goes to; either one's exit must end the wait
+        relay.transport.wait_for(relay, lambda: relay.sent >= relay.size,
+                                 watch=(relay.peer, relay.relay_to.peer))
 
     def test(self) -> bool:
         self.relay.transport.progress()
@@ -525,10 +528,16 @@ class ShmTransport(Transport):
             channel.queue.popleft()
         return moved
 
-    def wait_for(self, message: _Message, finished: Callable[[], bool]) -> None:
-        """Drive progress until `finished()`; sleep on our bell when nothing moves."""
+    def wait_for(self, message: _Message, finished: Callable[[], bool],
+                 watch: Sequence[int] = ()) -> None:
+        """Drive progress until `finished()`; sleep on our bell when nothing moves.
+
+        watch: the ranks whose exit means `finished()` never comes (default the
+        message's peer; a relay's send half waits on its source and its target).
+        """
         timeout = self.timeout.total_seconds()
         deadline = time.monotonic() + timeout
+        watch = watch or (message.peer,)
         while not finished():
             if self.progress():
                 continue
@@ -536,10 +545,10 @@ class ShmTransport(Transport):
                 continue  # a peer filled or freed a slot of ours: try again
             if time.monotonic() > deadline:
                 raise PeerError(f"{message.what} timed out after {timeout:g} s")
-            pid = self.pids[message.peer]
-            if self.watch_pids and not _alive(pid):
-                raise PeerError(f"{message.what} failed: rank {message.peer} "
-                                f"(pid {pid}) has exited")
+            for peer in watch if self.watch_pids else ():
+                if not _alive(self.pids[peer]):
+                    raise PeerError(f"{message.what} failed: rank {peer} "
+                                    f"(pid {self.pids[peer]}) has exited")
 
     def wait_remote(self, handle: _Remote) -> None:
         """Wait for a message over the backend; keep shared memory moving meanwhile."""
