@@ -55,7 +55,10 @@ each route ("shm", "network").
 
 Barrier and the native collectives go to the backend this transport wraps (gloo or
 MPI). `connect()` adds shared memory where at least one host has two or more ranks and
-every segment could be mapped; otherwise it returns the backend as it is.
+every segment could be created and mapped; otherwise it returns the backend as it is.
+Segments are allocated in full when created (about local ranks x 4 MiB each, so a host
+of 8 ranks takes ~256 MiB of /dev/shm): a /dev/shm too small for them turns shared
+memory off, with one warning line, instead of killing a rank with SIGBUS later.
 """
 from __future__ import annotations
 
@@ -66,7 +69,7 @@ import secrets
 import sys
 import time
 from collections import deque
-from typing import Callable, Deque, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 
@@ -136,7 +139,14 @@ def _layout(local_size: int, slots: int, slot_bytes: int):
 
 class _Segment:
     """One rank's inbox: a /dev/shm file with a header and one channel per rank of its
-    host (indexed by local rank; its own is unused)."""
+    host (indexed by local rank; its own is unused).
+
+    The creator allocates every page of it at once. A file merely sized (ftruncate) is
+    sparse: it maps fine however full /dev/shm is, and the first write to a page that
+    the tmpfs has no room for kills the writer with SIGBUS, in the middle of a
+    collective. Allocated up front, a /dev/shm too small (Docker's default is 64 MiB)
+    is an OSError here, where connect() can still fall back to the backend.
+    """
 
     def __init__(self, path: str, local_size: int, slots: int, slot_bytes: int, create: bool):
         self.path = path
@@ -145,8 +155,12 @@ class _Segment:
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)  # sparse: pages are only allocated once touched
+                os.posix_fallocate(fd, 0, size)  # ENOSPC now rather than SIGBUS later
             self.map = mmap.mmap(fd, size)
+        except BaseException:
+            if create:
+                os.unlink(path)  # ours and of no use: leave nothing in /dev/shm
+            raise
         finally:
             os.close(fd)
         self._anchor = ctypes.c_char.from_buffer(self.map)
@@ -243,11 +257,29 @@ class _Forward(Handle):
 
     def wait(self) -> None:
         relay = self.relay
-        relay.transport.wait_for(relay, lambda: relay.sent >= relay.size)
+        # the sum waits on both neighbours: pieces from the source, free slots from the
+        # rank it goes to; either one's exit must end the wait
+        relay.transport.wait_for(relay, lambda: relay.sent >= relay.size,
+                                 watch=(relay.peer, relay.relay_to.peer))
 
     def test(self) -> bool:
         self.relay.transport.progress()
         return self.relay.sent >= self.relay.size
+
+
+_warned = False  # this process has said that shared memory is off
+
+
+def _warn_fallback(backend: str, reason: str) -> None:
+    """Say, once per process, that point-to-point goes through the backend after all.
+
+    One line on stderr: a rank that runs slower than it could should say why, but a job
+    of many ranks must not print a screenful (connect() has one rank say it)."""
+    global _warned
+    if not _warned:
+        _warned = True
+        print(f"collectives: warning: shared memory off, point-to-point goes through "
+              f"{backend}: {reason}", file=sys.stderr, flush=True)
 
 
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
@@ -319,11 +351,22 @@ class ShmTransport(Transport):
         Collective: every rank calls it and all come to the same answer. Each rank
         creates its segment, the ranks of its host map it, and the files are removed at
         once: the mappings stay, and nothing is left in /dev/shm if a rank dies later.
+        Where any rank cannot create or map a segment (/dev/shm too small, say), every
+        rank falls back to `inner`, and the lowest such rank prints one warning saying why.
         """
-        def everyone(flag: bool) -> bool:  # True when it holds on every rank
-            vote = torch.tensor([1 if flag else 0])
+        def first_failing(ok: bool) -> Optional[int]:  # the lowest rank where `ok` is False
+            vote = torch.tensor([inner.world_size if ok else inner.rank])
             inner._native_all_reduce(vote, "min")
-            return bool(vote.item())
+            return None if vote.item() == inner.world_size else int(vote.item())
+
+        def everyone(flag: bool) -> bool:  # True when it holds on every rank
+            return first_failing(flag) is None
+
+        def given_up(problem: Optional[str]) -> bool:  # agree; the first to fail says why
+            failed = first_failing(problem is None)
+            if failed == inner.rank:
+                _warn_fallback(inner.backend, problem)
+            return failed is not None
 
         topology = inner.topology
         if topology.one_rank_per_host or not everyone(_libc is not None):
@@ -336,26 +379,28 @@ class ShmTransport(Transport):
         segments: Dict[int, _Segment] = {}
         connected = False
         try:
+            problem = None
             try:
                 segments[me] = _Segment(paths[me], len(local), slots, slot_bytes, True)
                 for index, src in enumerate(local):  # our inbox's semaphores
                     if src != me:
                         _Channel(segments[me], index, slots, slot_bytes, 0, src,
                                  create=True).release()
-                created = True
-            except OSError:
-                created = False
-            if not everyone(created):
+            except OSError as error:
+                mib = _layout(len(local), slots, slot_bytes)[1] / 2**20
+                problem = (f"rank {me} could not create its {mib:.1f} MiB segment in "
+                           f"/dev/shm ({error.strerror or error}); its host's {len(local)} "
+                           f"ranks need {mib * len(local):.0f} MiB free there")
+            if given_up(problem):
                 return inner
             try:
                 for rank in local:
                     if rank != me:
                         segments[rank] = _Segment(paths[rank], len(local), slots,
                                                   slot_bytes, False)
-                mapped = True
-            except OSError:
-                mapped = False
-            if not everyone(mapped):
+            except OSError as error:
+                problem = f"rank {me} could not map a peer's segment: {error}"
+            if given_up(problem):
                 return inner
             watch_pids = everyone(all(_alive(s.pid.value) for s in segments.values()))
             connected = True
@@ -525,10 +570,16 @@ class ShmTransport(Transport):
             channel.queue.popleft()
         return moved
 
-    def wait_for(self, message: _Message, finished: Callable[[], bool]) -> None:
-        """Drive progress until `finished()`; sleep on our bell when nothing moves."""
+    def wait_for(self, message: _Message, finished: Callable[[], bool],
+                 watch: Sequence[int] = ()) -> None:
+        """Drive progress until `finished()`; sleep on our bell when nothing moves.
+
+        watch: the ranks whose exit means `finished()` never comes (default the
+        message's peer; a relay's send half waits on its source and its target).
+        """
         timeout = self.timeout.total_seconds()
         deadline = time.monotonic() + timeout
+        watch = watch or (message.peer,)
         while not finished():
             if self.progress():
                 continue
@@ -536,10 +587,10 @@ class ShmTransport(Transport):
                 continue  # a peer filled or freed a slot of ours: try again
             if time.monotonic() > deadline:
                 raise PeerError(f"{message.what} timed out after {timeout:g} s")
-            pid = self.pids[message.peer]
-            if self.watch_pids and not _alive(pid):
-                raise PeerError(f"{message.what} failed: rank {message.peer} "
-                                f"(pid {pid}) has exited")
+            for peer in watch if self.watch_pids else ():
+                if not _alive(self.pids[peer]):
+                    raise PeerError(f"{message.what} failed: rank {peer} "
+                                    f"(pid {self.pids[peer]}) has exited")
 
     def wait_remote(self, handle: _Remote) -> None:
         """Wait for a message over the backend; keep shared memory moving meanwhile."""
