@@ -47,6 +47,7 @@ from typing import Dict, List
 import torch
 
 from . import algorithms, api, cluster, trace
+from .launch import add_local_rank_argument
 
 BUS_FACTOR = {  # busbw / algbw, as nccl-tests
     "all_reduce": lambda n: 2 * (n - 1) / n,
@@ -365,6 +366,7 @@ def parser() -> argparse.ArgumentParser:
                    help="calls traced per row (default 2)")
     p.add_argument("--trace-level", type=int, choices=[1, 2], default=2,
                    help="2 (default): each algorithm's steps too; 1: whole collectives")
+    add_local_rank_argument(p)  # torch.distributed.launch passes --local-rank=N
     return p
 
 

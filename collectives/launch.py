@@ -18,13 +18,20 @@ process: rank 0 of a world of 1.
 
 `detect_launch()` only reads the environment; it never starts communication, so it
 is cheap to call and easy to test with a faked environment.
+
+One launcher also speaks through the command line: `python -m torch.distributed.launch`
+(deprecated, but still in torch and in the tutorials) appends `--local-rank=N` to every
+rank's arguments, before the script's own (older torch versions spelled it
+`--local_rank`). A script whose parser does not know the flag exits with "unrecognized
+arguments". `add_local_rank_argument(parser)` teaches a parser both spellings.
 """
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from dataclasses import dataclass
-from typing import List, Mapping, Optional, Sequence, Tuple
+from typing import List, Mapping, MutableMapping, Optional, Sequence, Tuple
 
 
 class LaunchError(RuntimeError):
@@ -137,3 +144,59 @@ def detect_launch(env: Optional[Mapping[str, str]] = None,
         return LaunchInfo(rank, size, local_rank, launcher,
                           _optional_int(env, local_size_var))
     return LaunchInfo(0, 1, 0, "none", 1)
+
+
+def _local_rank_value(text: str) -> int:
+    """argparse type of --local-rank: an integer, 0 or more."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a local rank (0 or more), got {text!r}") \
+            from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+class _LocalRankAction(argparse.Action):
+    """Stores --local-rank's value and exports it as LOCAL_RANK, unless that is already set.
+
+    Exporting it is what lets the flag count: `detect_launch()`, `collectives.init()` and
+    the torch backend read the local rank from LOCAL_RANK, not from a parser's result.
+    """
+
+    def __init__(self, option_strings, dest, environ=None, **kwargs):
+        super().__init__(option_strings, dest, **kwargs)
+        self.environ = environ
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        setattr(namespace, self.dest, value)
+        environ = os.environ if self.environ is None else self.environ
+        environ.setdefault("LOCAL_RANK", str(value))  # the launcher's variable wins
+
+
+def add_local_rank_argument(parser, environ: Optional[MutableMapping[str, str]] = None) -> None:
+    """Accept the local rank that `torch.distributed.launch` passes on the command line.
+
+    Adds `--local-rank N` and its older spelling `--local_rank N` (each also as
+    `--local-rank=N`) to `parser` (an ArgumentParser or one of its argument groups); the
+    value lands in `args.local_rank` (None when the flag is absent). When the flag is
+    given and the environment has no LOCAL_RANK, the value is exported as LOCAL_RANK, so
+    that everything which reads the launch from the environment sees it.
+
+    When LOCAL_RANK is already set, it wins and the flag changes nothing. torch's own
+    launcher sets both: in torch 2.14, `torch.distributed.launch` is `torch.distributed.run`
+    (torchrun) without its `--use-env`, so every rank gets RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR and MASTER_PORT in its environment *and* `--local-rank=N` on its command
+    line. The flag is the only source of the local rank for a launcher that passes
+    nothing else.
+
+    `environ` (default: os.environ) is where LOCAL_RANK is exported; tests pass a dict.
+    """
+    parser.add_argument("--local-rank", type=_local_rank_value, metavar="N",
+                        action=_LocalRankAction, environ=environ,
+                        help="this process's local rank, as torch.distributed.launch passes "
+                             "it; $LOCAL_RANK wins when set")
+    parser.add_argument("--local_rank", dest="local_rank", type=_local_rank_value,
+                        action=_LocalRankAction, environ=environ,
+                        help=argparse.SUPPRESS)  # the pre-2.0 spelling, accepted unlisted

@@ -10,6 +10,7 @@ it issues runs through `collectives.torch_backend` (our ring, halving-doubling, 
 chosen by size). The model learns to tell which of four noisy patterns an input is.
 """
 import argparse
+import os
 
 import torch
 import torch.distributed as dist
@@ -30,7 +31,13 @@ def main():
     parser.add_argument("--wrap", choices=["ddp", "fsdp2"], default="fsdp2")
     parser.add_argument("--backend", default="collectives")
     parser.add_argument("--steps", type=int, default=60)
+    # torch.distributed.launch passes --local-rank=N (before torch 2.0: --local_rank); torch
+    # documents accepting both. The backend reads the local rank from LOCAL_RANK, which that
+    # launcher sets too; a launcher that only passes the flag has it exported here.
+    parser.add_argument("--local-rank", "--local_rank", type=int)
     args = parser.parse_args()
+    if args.local_rank is not None:
+        os.environ.setdefault("LOCAL_RANK", str(args.local_rank))
 
     dist.init_process_group(args.backend)
     rank = dist.get_rank()

@@ -2,6 +2,7 @@
 
     torchrun --nproc-per-node 2 examples/torch_ddp_script.py              # ours
     torchrun --nproc-per-node 2 examples/torch_ddp_script.py --face torch # torch's
+    python -m torch.distributed.launch --nproc-per-node 2 examples/torch_ddp_script.py
 
 The script makes its own process group (`dist.init_process_group`), shards the data
 with DistributedSampler, wraps a torchvision ResNet in DistributedDataParallel and
@@ -20,12 +21,15 @@ from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 from torchvision import transforms
 
+from collectives.launch import add_local_rank_argument
+
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--face", choices=["collectives", "torch"], default="collectives")
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--save", help="rank 0 saves the trained state_dict here")
+    add_local_rank_argument(parser)  # torch.distributed.launch passes --local-rank=N
     args = parser.parse_args()
     if args.face == "torch":
         from torch.nn.parallel import DistributedDataParallel as DDP

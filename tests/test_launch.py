@@ -1,7 +1,10 @@
-"""Launcher detection from faked environments: every launcher, every bad combination."""
+"""Launcher detection from faked environments: every launcher, every bad combination;
+and the --local-rank flag that torch.distributed.launch passes."""
+import argparse
+
 import pytest
 
-from collectives.launch import LaunchError, detect_launch
+from collectives.launch import LaunchError, add_local_rank_argument, detect_launch
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -47,3 +50,60 @@ def test_pmix_rank_with_world_size_from_mpi():
 def test_bad_settings_name_the_variable(env, message):
     with pytest.raises(LaunchError, match=message.replace("(", r"\(").replace(")", r"\)")):
         detect_launch(env)
+
+
+def parse_with_local_rank(argv, env):
+    parser = argparse.ArgumentParser(prog="script")
+    parser.add_argument("--epochs", type=int, default=1)
+    add_local_rank_argument(parser, environ=env)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--local-rank=1"], ["--local-rank", "1"],    # torch 2.x's launcher: the first form
+    ["--local_rank=1"], ["--local_rank", "1"],    # older launchers and hand-written ones
+])
+def test_local_rank_flag_in_each_spelling_and_form_is_exported(argv):
+    env = {}
+    args = parse_with_local_rank([*argv, "--epochs", "2"], env)
+    assert (args.local_rank, args.epochs) == (1, 2)
+    assert env == {"LOCAL_RANK": "1"}
+
+
+def test_exported_local_rank_is_the_one_detect_launch_reads():
+    env = {"RANK": "3", "WORLD_SIZE": "4"}  # a launcher that gives the local rank only as a flag
+    parse_with_local_rank(["--local-rank=1"], env)
+    assert detect_launch(env).local_rank == 1
+
+
+def test_local_rank_in_the_environment_wins_over_the_flag():
+    env = {"LOCAL_RANK": "0"}
+    args = parse_with_local_rank(["--local-rank=1"], env)
+    assert args.local_rank == 1
+    assert env == {"LOCAL_RANK": "0"}
+
+
+def test_without_the_flag_nothing_is_exported():
+    env = {}
+    assert parse_with_local_rank([], env).local_rank is None
+    assert env == {}
+
+
+@pytest.mark.parametrize("value, message", [
+    ("-1", "argument --local-rank: must be 0 or more, got -1"),
+    ("one", "argument --local-rank: expected a local rank (0 or more), got 'one'"),
+])
+def test_bad_local_rank_is_argparse_error(value, message, capsys):
+    env = {}
+    with pytest.raises(SystemExit) as exit:
+        parse_with_local_rank([f"--local-rank={value}"], env)
+    assert exit.value.code == 2
+    assert message in capsys.readouterr().err
+    assert env == {}
+
+
+def test_help_lists_one_spelling():
+    parser = argparse.ArgumentParser(prog="script")
+    add_local_rank_argument(parser, environ={})
+    text = parser.format_help()
+    assert "--local-rank N" in text and "--local_rank" not in text

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from collectives.mpi_launcher import find_mpirun
+from collectives.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16", "--epochs", "1"]
@@ -57,6 +58,20 @@ def test_short_run_in_each_launch_mode(launcher, tmp_path):
     assert (record["comm_bytes"] > 0) == (world > 1)
 
 
+@pytest.mark.timeout(180)
+def test_the_tutorials_launcher_passes_local_rank_and_both_ranks_finish(tmp_path):
+    # torch.distributed.launch (deprecated, still in torch) puts --local-rank=N before the
+    # trainer's own flags; the launcher exits 0 only when every rank did.
+    launch = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2",
+              "--master-port", str(free_port()), "--module", "trainer"]
+    one_step = ["--train-samples", "16", "--test-samples", "8", "--batch-size", "8",
+                "--epochs", "1"]
+    out = run([*launch, *one_step], tmp_path, timeout=150, check=False)
+    assert "unrecognized arguments" not in out.stderr, out.stderr
+    assert out.returncode == 0, f"{out.stdout}\n{out.stderr}"
+    assert "with 2 rank(s)" in out.stdout and "done in" in out.stdout, out.stdout
+
+
 @pytest.mark.timeout(400)
 def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     # Stopping after epoch 1 and resuming with --epochs 2 extends the run, so the lr must
@@ -104,6 +119,7 @@ def test_eval_only_reports_the_checkpoints_accuracy(tmp_path):
                                              "torch.distributed"),
     (["--sync", "ddp-fp16", "--sync-option", "period=2"], "ddp-fp16 takes no option(s) period"),
     (["--trace", "t", "--trace-steps", "4:2"], "need 1 <= FIRST <= LAST"),
+    (["--local-rank", "-1"], "argument --local-rank: must be 0 or more, got -1"),
 ])
 def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path):
     result = run(trainer(*flags, "--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"), tmp_path,

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 import collectives
 from collectives import sync as sync_registry
 from collectives import trace
+from collectives.launch import add_local_rank_argument
 from . import torch_peers
 from .models import ARCHITECTURES, build_model
 from .timing import SentBytes, WaitClock, background_comm_seconds
@@ -250,6 +251,7 @@ def main(argv=None):
                    help="timed steps traced per sync, from the first (default 3)")
     p.add_argument("--trace-level", type=int, choices=[1, 2], default=1,
                    help="1: steps, buckets, waits (default); 2: each algorithm's steps too")
+    add_local_rank_argument(p)  # torch.distributed.launch passes --local-rank=N
     args = p.parse_args(argv)
     known = sync_registry.available() + torch_peers.NAMES
     for name in args.sync:

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 
 from collectives import algorithms, sync
+from collectives.launch import add_local_rank_argument
 from . import torch_peers
 from .models import ARCHITECTURES
 
@@ -17,6 +18,7 @@ rising. It runs the same way under every launcher, or as one plain process:
   mpirun -np 4 python -m trainer
   ./launch_mpi.sh -np 4 -- python -m trainer --dataset mnist --data-dir ../shared/data
   torchrun --nproc-per-node 4 -m trainer --epochs 1
+  python -m torch.distributed.launch --nproc-per-node 4 --module trainer --epochs 1
   python -m trainer --epochs 1                       # one process, no launcher
 """
 
@@ -151,6 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="gradient bucket size cap in MiB (default: 25, as DDP)")
     comm.add_argument("--timeout", type=positive_float, default=300.0,
                       help="seconds to wait for a silent peer before failing (default: 300)")
+    add_local_rank_argument(comm)  # torch.distributed.launch passes --local-rank=N
 
     files = p.add_argument_group("files")
     files.add_argument("--checkpoint-dir",
