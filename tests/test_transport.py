@@ -113,3 +113,30 @@ def test_duplicating_a_subgroup_leaves_later_torch_groups_formable():
     results = run_world(duplicate_a_subgroup_then_make_a_group_of_everyone, 4, timeout=90,
                         init_timeout=20, shm="off")
     assert results == [([1.0] * 3, 4.0), ([0.0] * 3, 4.0), (None, 4.0), (None, 4.0)]
+
+
+def talk_to_a_dead_peer(comm):
+    """Rank 1 exits; rank 0 notices on a receive, then sends and receives again: gloo
+    refuses those at once (the connection is closed), and that must be a PeerError
+    naming the peer too, not torch's RuntimeError."""
+    if comm.rank == 1:
+        comm.barrier()
+        os._exit(0)
+    comm.barrier()
+    raised = []
+    for attempt in (lambda: comm.recv(torch.zeros(1), 1), lambda: comm.send(torch.zeros(1), 1),
+                    lambda: comm.recv(torch.zeros(1), 1)):
+        try:
+            attempt()
+            raised.append("returned")
+        except Exception as error:
+            raised.append(f"{type(error).__name__}: {error}")
+    return raised
+
+
+@pytest.mark.timeout(120)
+def test_a_send_or_receive_to_a_dead_peer_is_a_peer_error_naming_it():
+    raised = run_world(talk_to_a_dead_peer, 2, timeout=90, init_timeout=20, shm="off",
+                       may_die=(1,))[0]
+    assert [line.split(":")[0] for line in raised] == ["PeerError"] * 3, raised
+    assert ["rank 1" in line for line in raised] == [True] * 3, raised

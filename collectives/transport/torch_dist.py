@@ -14,7 +14,8 @@ group ranks. So the same code serves a group torch.distributed knows (made by
 torch.distributed backend of this project (torch_backend/) builds one per group
 from the store torch hands it (`TorchDistTransport.over_store`).
 
-A failed or timed-out wait is re-raised as PeerError naming the peer.
+A send or receive that fails (when posted, or on its wait) or times out is re-raised as
+PeerError naming the peer.
 """
 from __future__ import annotations
 
@@ -36,6 +37,15 @@ _GLOO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, tor
                 torch.uint8, torch.int32, torch.int64)
 
 
+def _peer_error(what: str, error: RuntimeError, timeout: timedelta) -> PeerError:
+    """torch's RuntimeError about a peer, as our PeerError: what failed, first line."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if "timed out" in first_line.lower():  # gloo's "Operation timed out!"
+        first_line = (f"no answer within the timeout of "
+                      f"{timeout.total_seconds():g} s ({first_line})")
+    return PeerError(f"{what} failed: {first_line}")
+
+
 class _TorchHandle(Handle):
     def __init__(self, work, what: str, timeout: timedelta):
         self.work, self.what, self.timeout = work, what, timeout
@@ -44,11 +54,7 @@ class _TorchHandle(Handle):
         try:
             self.work.wait(self.timeout)
         except RuntimeError as error:
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            if "timed out" in first_line.lower():  # gloo's "Operation timed out!"
-                first_line = (f"no answer within the timeout of "
-                              f"{self.timeout.total_seconds():g} s ({first_line})")
-            raise PeerError(f"{self.what} failed: {first_line}") from error
+            raise _peer_error(self.what, error, self.timeout) from error
 
     def test(self) -> bool:
         return self.work.is_completed()
@@ -140,7 +146,10 @@ class TorchDistTransport(Transport):
                                                       self.global_ranks[dst],
                                                       group=self.group)])[0]
         else:
-            work = self.pg.send([tensor], dst, 0)
+            try:
+                work = self.pg.send([tensor], dst, 0)
+            except RuntimeError as error:  # gloo: the connection is already closed
+                raise _peer_error(f"send to rank {dst}", error, self.timeout) from error
         return _TorchHandle(work, f"send to rank {dst}", self.timeout)
 
     def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
@@ -149,7 +158,10 @@ class TorchDistTransport(Transport):
                                                       self.global_ranks[src],
                                                       group=self.group)])[0]
         else:
-            work = self.pg.recv([tensor], src, 0)
+            try:
+                work = self.pg.recv([tensor], src, 0)
+            except RuntimeError as error:  # gloo: the connection is already closed
+                raise _peer_error(f"receive from rank {src}", error, self.timeout) from error
         return _TorchHandle(work, f"receive from rank {src}", self.timeout)
 
     def sendrecv(self, send_tensor, dst, recv_tensor, src) -> None:
