@@ -6,6 +6,7 @@ test removes what it built, and checks that nothing of its run is left.
 import glob
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,13 +156,45 @@ def test_a_cut_link_or_a_killed_rank_is_a_peer_error_on_every_survivor(fault, tm
     assert_removed(network)
     assert status != 0
     survivors = [r for r in range(spec.world_size) if fault == "link cut" or r != victim]
+    results = {}
     for rank in survivors:
         with open(tmp_path / f"rank{rank}.json") as file:
-            result = json.load(file)
-        assert result["raised"] and result["raised"].startswith("PeerError"), result
-        if fault == "SIGKILL" or result["hostname"] == "node0":
-            assert "rank" in result["raised"], result  # names the peer it waited for
-        assert result["failed_at"] - cut_at < timeout + 10, result
+            results[rank] = json.load(file)
+        assert results[rank]["raised"] and results[rank]["raised"].startswith("PeerError"), (
+            results[rank])
+        assert results[rank]["failed_at"] - cut_at < timeout + 10, results[rank]
+    host_of = {rank: rank // 2 for rank in range(spec.world_size)}  # node0: 0 1, node1: 2 3
+    # Who can have failed a rank: the killed rank, or across the cut link any rank of
+    # the other host.
+    culprits = {rank: ({victim} if fault == "SIGKILL" else
+                       {r for r in host_of if host_of[r] != host_of[rank]})
+                for rank in survivors}
+    assert_each_names_the_peer_that_failed_it(results, culprits)
+
+
+def named_peer(raised: str) -> int:
+    """The rank a PeerError says it was waiting for ("receive from rank 2 failed: ...")."""
+    found = re.search(r"(?:receive from|send to) rank (\d+)", raised)
+    assert found, f"the error names no peer: {raised}"
+    return int(found.group(1))
+
+
+def assert_each_names_the_peer_that_failed_it(results, culprits):
+    """Each survivor's PeerError names the peer it waited for. That peer is one of its
+    culprits (the killed rank; the other host, across a cut link), or a survivor that
+    had given up before it (and left the collective, so its peers gave up in turn).
+    The first survivor to fail can only name a culprit: nobody had given up yet.
+    failed_at is each rank's monotonic clock, one machine's: a rank that left is
+    noticed only after it left, so the order is causal, not a race."""
+    order = sorted(results, key=lambda rank: results[rank]["failed_at"])
+    first = order[0]
+    assert named_peer(results[first]["raised"]) in culprits[first], (first, results[first])
+    for position, rank in enumerate(order):
+        gave_up_before = set(order[:position])
+        peer = named_peer(results[rank]["raised"])
+        assert peer in culprits[rank] | gave_up_before, (
+            f"rank {rank} names rank {peer}: neither {sorted(culprits[rank])} nor a rank that "
+            f"had failed before it ({sorted(gave_up_before)})", results[rank])
 
 
 @pytest.mark.timeout(200)
@@ -246,7 +279,18 @@ def test_without_privileges_one_line_and_exit_2():
 
 
 def test_latency_works_or_says_in_one_line_that_netem_is_missing():
-    done = run_cli("--hosts", "2", "--latency", "5ms", "--", "true")
-    if done.returncode != 0:  # this kernel has no netem (the case on the machines here)
-        assert done.returncode == 2
+    """With netem, every host's NIC delays what it sends by the latency asked for (tc
+    lists the qdisc in the host's namespace). Without it (this kernel's case: the
+    kernel has no sch_netem), one line naming netem and exit status 2, nothing built."""
+    before = netns_names()
+    done = run_cli("--hosts", "2", "--latency", "5ms", "--", "sh", "-c",
+                   'tc qdisc show dev "$COLLECTIVES_CLUSTER_IFACE"')
+    if done.returncode == 0:
+        for host in ("node0", "node1"):
+            shown = [line for line in done.stdout.splitlines() if f" {host}]:" in line]
+            assert any("netem" in line and "delay 5ms" in line for line in shown), (
+                host, done.stdout)
+    else:
+        assert done.returncode == 2, done.stderr
         assert done.stderr.strip().count("\n") == 0 and "netem" in done.stderr, done.stderr
+    assert netns_names() == before

@@ -81,3 +81,62 @@ def test_api_works_without_init_in_a_plain_process(monkeypatch):
     tensor = torch.ones(3)
     collectives.all_reduce(tensor, op="avg")
     assert tensor.tolist() == [1.0, 1.0, 1.0]
+
+
+def duplicate_a_subgroup_then_make_a_group_of_everyone(comm):
+    """Ranks 0 and 1 of 4 adopt torch's group of the two and duplicate it (as the
+    hierarchy's pipeline and the background strategies do); then all four make a new
+    torch group and all-reduce on it. torch names a group from a counter that only the
+    ranks creating it advance, so a duplicate made by the members alone would leave
+    ranks 0, 1 and ranks 2, 3 naming the next group differently: it would never form."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from collectives.bootstrap import adopt_torch_group
+    pair = dist.new_group([0, 1])  # every rank calls new_group, as torch asks
+    got = None
+    if comm.rank in (0, 1):
+        sub = adopt_torch_group(pair, timeout=20, shm="off")
+        twin = sub.duplicate()
+        mine, theirs = torch.full((3,), float(sub.rank)), torch.empty(3)
+        twin.sendrecv(mine, 1 - sub.rank, theirs, 1 - sub.rank)
+        got = theirs.tolist()
+    everyone = dist.new_group(timeout=timedelta(seconds=20))
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    return got, total.item()
+
+
+@pytest.mark.timeout(120)
+def test_duplicating_a_subgroup_leaves_later_torch_groups_formable():
+    results = run_world(duplicate_a_subgroup_then_make_a_group_of_everyone, 4, timeout=90,
+                        init_timeout=20, shm="off")
+    assert results == [([1.0] * 3, 4.0), ([0.0] * 3, 4.0), (None, 4.0), (None, 4.0)]
+
+
+def talk_to_a_dead_peer(comm):
+    """Rank 1 exits; rank 0 notices on a receive, then sends and receives again: gloo
+    refuses those at once (the connection is closed), and that must be a PeerError
+    naming the peer too, not torch's RuntimeError."""
+    if comm.rank == 1:
+        comm.barrier()
+        os._exit(0)
+    comm.barrier()
+    raised = []
+    for attempt in (lambda: comm.recv(torch.zeros(1), 1), lambda: comm.send(torch.zeros(1), 1),
+                    lambda: comm.recv(torch.zeros(1), 1)):
+        try:
+            attempt()
+            raised.append("returned")
+        except Exception as error:
+            raised.append(f"{type(error).__name__}: {error}")
+    return raised
+
+
+@pytest.mark.timeout(120)
+def test_a_send_or_receive_to_a_dead_peer_is_a_peer_error_naming_it():
+    raised = run_world(talk_to_a_dead_peer, 2, timeout=90, init_timeout=20, shm="off",
+                       may_die=(1,))[0]
+    assert [line.split(":")[0] for line in raised] == ["PeerError"] * 3, raised
+    assert ["rank 1" in line for line in raised] == [True] * 3, raised

@@ -33,6 +33,15 @@ third of the rate. With several ranks on a host, `hierarchical`: each link then 
 2(H-1)/H of the buffer instead of 2(n-1)/n (1.4-1.7x the flat ring on 2 hosts of 2 and
 4 ranks). Below 64 KiB the tree (2 hosts of 2 ranks: 1.6 ms at 16 KiB, against 2.9
 for naive and 8.1 for the ring).
+
+NCCL is the exception, on one host and across hosts alike: `native`. NCCL already
+runs its own hierarchy across nodes (rings and trees over NVLink inside a node and
+the network between nodes, chosen by its own tuning), and none of ours has been
+measured against it (no GPU here). Ours would also be unsafe there: the pipelined
+`hierarchical` drives a second communicator from a second thread while the first
+is in use, and NCCL documents concurrent operations on several communicators from
+several threads as a possible deadlock (its kernels may wait on each other on the
+GPU). So nccl keeps NCCL's own collectives until a measurement says otherwise.
 """
 from __future__ import annotations
 
@@ -69,6 +78,8 @@ def all_reduce_choice(nbytes: int, world_size: int, transport: str,
     ranks placed as `topology` says (None: all on one host)."""
     if world_size == 1:
         return "native"
+    if transport.split("+")[0] == "nccl":
+        return "native"  # NCCL's own ladder, across hosts too (see the notes above)
     if topology is not None and not topology.single_host:
         if nbytes < ACROSS_HOSTS_FROM:
             return "tree"

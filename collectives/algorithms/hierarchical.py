@@ -46,6 +46,16 @@ The two threads never talk to the same peer (phases 1 and 3 stay inside the host
 phase 2 only crosses hosts), and phase 2 runs on a duplicate of the communicator, so
 their messages cannot mix. Only the first chunk's phase 1 and the last one's phase 3
 are not hidden behind the network.
+
+Failures. When either thread fails (a peer died, stalled past the timeout, or a
+phase raised), the other is woken and the call waits for the network thread to end
+before it raises: no thread of this call is left on the duplicate communicator.
+That wait is short: the thread is either waiting for a chunk (woken at once) or
+inside one transport call, which ends within the communicator's timeout, at once
+when the peer has died. The duplicate is then retired: a peer's network thread may
+have sent part of a chunk that ours never received, and a later call would take
+that message for its own. Later pipelined calls on the communicator raise PeerError
+naming the first failure instead of racing or reading stale data.
 """
 from __future__ import annotations
 
@@ -54,7 +64,7 @@ from typing import List
 
 import torch
 
-from ..transport import Transport
+from ..transport import PeerError, Transport
 from ..transport.group import Group
 from . import ring
 from .common import chunk_bounds
@@ -119,11 +129,27 @@ def _gather_inside_host(host: Group, flat: torch.Tensor) -> None:
 
 def _network_twin(comm: Transport) -> Transport:
     """A duplicate of `comm` for phase 2 on its own thread (made once, collectively:
-    every rank reaches its first pipelined all-reduce in the same call)."""
+    every rank reaches its first pipelined all-reduce in the same call).
+
+    Refused once a pipelined call on `comm` has failed (see the notes on failures)."""
+    failure = getattr(comm, "_hierarchical_network_failure", None)
+    if failure is not None:
+        raise PeerError(f"hierarchical all-reduce: the pipeline's network communicator "
+                        f"failed earlier ({type(failure).__name__}: {failure}) and may "
+                        f"hold messages of that call; it is not used again") from failure
     twin = getattr(comm, "_hierarchical_network", None)
     if twin is None:
         twin = comm._hierarchical_network = comm.duplicate()
     return twin
+
+
+def _retire_network_twin(comm: Transport, failure: BaseException) -> None:
+    """After a failed pipelined call (its network thread has ended): close the
+    duplicate and remember why, so that no later call uses it."""
+    comm._hierarchical_network_failure = failure
+    twin, comm._hierarchical_network = getattr(comm, "_hierarchical_network", None), None
+    if twin is not None:
+        twin.close()
 
 
 def _pipelined(comm: Transport, host: Group, chunks: List[torch.Tensor], op: str) -> None:
@@ -164,6 +190,10 @@ def _pipelined(comm: Transport, host: Group, chunks: List[torch.Tensor], op: str
     except BaseException as error:
         if not failures:
             fail(error)
+        # Wake-up sent (fail): it ends at its next chunk, or when the transport call
+        # it is in returns or raises. Then nothing of ours is left on the duplicate.
+        thread.join()
+        _retire_network_twin(comm, failures[0])
         raise
     thread.join()  # it has finished its last chunk: the last across_done was set
 

@@ -14,11 +14,13 @@ group ranks. So the same code serves a group torch.distributed knows (made by
 torch.distributed backend of this project (torch_backend/) builds one per group
 from the store torch hands it (`TorchDistTransport.over_store`).
 
-A failed or timed-out wait is re-raised as PeerError naming the peer.
+A send or receive that fails (when posted, or on its wait) or times out is re-raised as
+PeerError naming the peer.
 """
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -35,6 +37,15 @@ _GLOO_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64, tor
                 torch.uint8, torch.int32, torch.int64)
 
 
+def _peer_error(what: str, error: RuntimeError, timeout: timedelta) -> PeerError:
+    """torch's RuntimeError about a peer, as our PeerError: what failed, first line."""
+    first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    if "timed out" in first_line.lower():  # gloo's "Operation timed out!"
+        first_line = (f"no answer within the timeout of "
+                      f"{timeout.total_seconds():g} s ({first_line})")
+    return PeerError(f"{what} failed: {first_line}")
+
+
 class _TorchHandle(Handle):
     def __init__(self, work, what: str, timeout: timedelta):
         self.work, self.what, self.timeout = work, what, timeout
@@ -43,14 +54,48 @@ class _TorchHandle(Handle):
         try:
             self.work.wait(self.timeout)
         except RuntimeError as error:
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-            if "timed out" in first_line.lower():  # gloo's "Operation timed out!"
-                first_line = (f"no answer within the timeout of "
-                              f"{self.timeout.total_seconds():g} s ({first_line})")
-            raise PeerError(f"{self.what} failed: {first_line}") from error
+            raise _peer_error(self.what, error, self.timeout) from error
 
     def test(self) -> bool:
         return self.work.is_completed()
+
+
+# Duplicates take their names from a range of torch's group counter that torch's own
+# groups never reach (see _members_only_group); how many this rank has made, by ranks.
+_DUPLICATE_NAMES_FROM = 1 << 48
+_duplicates_made: Dict[Tuple[int, ...], int] = {}
+
+
+def _members_only_group(ranks: List[int], backend: str, timeout: timedelta):
+    """A new torch group over `ranks` (global ranks), made by those ranks alone,
+    that leaves torch's naming of every later group as it was.
+
+    torch names each group from a counter, `_world.group_count` (torch 2.14,
+    distributed_c10d.py: `_process_group_name`), and finds the group's peers in the
+    store under that name. `dist.new_group(ranks)` must be entered by every rank of
+    the job, members or not, so every counter moves together. Duplicating a subgroup
+    is collective over its members only, and the other ranks are never told: with
+    `use_local_synchronization=True` they would not enter anyway, but the members'
+    counters would move and theirs not. The next group the whole job makes would
+    then have one name on the members and another on the rest, and would never form
+    (each side waits in the store for the other until the timeout).
+
+    So, for this one call, the counter is set to a value of a range of its own, the
+    ranks and how many duplicates of them this rank made before (the same count on
+    every member: duplicating is collective over them, in the same order), and then
+    put back. The group's name (a hash of the ranks and that value) is unique, and
+    the counter is the same on every rank of the job afterwards as before.
+    """
+    members = tuple(ranks)
+    made = _duplicates_made[members] = _duplicates_made.get(members, 0) + 1
+    world = dist.distributed_c10d._world
+    counter = world.group_count
+    world.group_count = _DUPLICATE_NAMES_FROM + made
+    try:
+        return dist.new_group(list(members), backend=backend, timeout=timeout,
+                              use_local_synchronization=True)
+    finally:
+        world.group_count = counter
 
 
 class TorchDistTransport(Transport):
@@ -101,7 +146,10 @@ class TorchDistTransport(Transport):
                                                       self.global_ranks[dst],
                                                       group=self.group)])[0]
         else:
-            work = self.pg.send([tensor], dst, 0)
+            try:
+                work = self.pg.send([tensor], dst, 0)
+            except RuntimeError as error:  # gloo: the connection is already closed
+                raise _peer_error(f"send to rank {dst}", error, self.timeout) from error
         return _TorchHandle(work, f"send to rank {dst}", self.timeout)
 
     def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
@@ -110,7 +158,10 @@ class TorchDistTransport(Transport):
                                                       self.global_ranks[src],
                                                       group=self.group)])[0]
         else:
-            work = self.pg.recv([tensor], src, 0)
+            try:
+                work = self.pg.recv([tensor], src, 0)
+            except RuntimeError as error:  # gloo: the connection is already closed
+                raise _peer_error(f"receive from rank {src}", error, self.timeout) from error
         return _TorchHandle(work, f"receive from rank {src}", self.timeout)
 
     def sendrecv(self, send_tensor, dst, recv_tensor, src) -> None:
@@ -158,10 +209,7 @@ class TorchDistTransport(Transport):
             self.duplicates += 1
             return self.over_store(self.store, self.rank, self.world_size, self.local_rank,
                                    self.timeout, f"{self.prefix}/dup{self.duplicates}")
-        # Only this group's members call this (use_local_synchronization), so a
-        # communicator over a subgroup can be duplicated without the other ranks.
-        group = dist.new_group(self.global_ranks, backend=self.backend, timeout=self.timeout,
-                               use_local_synchronization=True)
+        group = _members_only_group(self.global_ranks, self.backend, self.timeout)
         return TorchDistTransport(self.backend, self.rank, self.world_size, self.local_rank,
                                   self.device, self.timeout, group, owns_group=False)
 
