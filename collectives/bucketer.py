@@ -24,19 +24,36 @@ bucketer does what DDP's Reducer does:
    `param.grad`. DDP mode calls it automatically when backward ends (an autograd engine
    callback); the Horovod face calls it from optimizer.step().
 
+Accumulation: a step may be several backward passes. DDP's no_sync() passes
+(`enabled = False`) only accumulate into .grad; the next pass outside it reduces.
+Horovod's backward_passes_per_step = k (`passes_per_sync`): a gradient is put in its
+bucket on its k-th arrival of the step, the sum of its k passes (a (k+1)-th arrival is
+an error). Arrival counts and the "used" marks below start afresh when a step's
+reduction is done (finish(), shadow()).
+
 Parameters without a gradient this step (a conditional or multi-task model, a frozen
 branch): ranks may differ in which parameters they used, and every rank must still take
 part in every bucket's reduction, or the ranks that did use them wait forever. So at
-finish() the missing gradients count as zeros and the rest of the buckets are launched,
-on every rank, in the same order. What happens next is the `unused` mode:
+finish() each gradient that did not arrive (this pass, or its k-th time) is filled in
+with what the parameter holds, as DDP's Reducer and Horovod's synchronize() do: the .grad
+it accumulated in the step's earlier passes (no_sync(), or fewer than k passes), or zeros
+if it has none. The rest of the buckets are then launched, on every rank, in the same
+order. What happens next is the `unused` mode:
 
     "error"   DDP's default: after the round completes, raise on the rank that had
               missing gradients, naming them (find_unused_parameters=False).
     "detect"  DDP's find_unused_parameters=True: a tiny all-reduce of a "used" map, the
-              last job of every step on every rank, tells which parameters no rank used;
-              their .grad is left untouched, exactly as DDP does.
+              last job of every step on every rank, tells which parameters no rank used
+              in any pass since the last reduction (no_sync() passes count: a parameter
+              used there on one rank is averaged like any other); their .grad is left
+              untouched, exactly as DDP does.
     "zeros"   Horovod's rule: every parameter's .grad gets the reduced value, zeros
               included.
+
+    a used inside no_sync() on rank 0 only, "detect":
+        rank 0:  no_sync pass: a.grad = g   syncing pass: no a   finish: sends g
+        rank 1:  no_sync pass: -            syncing pass: no a   finish: sends zeros
+        used map (max over ranks): a used   ->   a.grad = (g + 0) / 2 on both ranks
 """
 from __future__ import annotations
 
@@ -63,7 +80,8 @@ class Bucket:
     params: List[torch.nn.Parameter]
     offsets: List[int]              # where each parameter's gradient starts in `buffer`
     buffer: torch.Tensor            # flat gradients, one dtype and device
-    ready: List[bool] = field(default_factory=list)
+    ready: List[bool] = field(default_factory=list)  # in the buffer for this reduction
+    used: List[bool] = field(default_factory=list)   # a gradient arrived since the last one
 
     def slot(self, position: int) -> torch.Tensor:
         param = self.params[position]
@@ -178,7 +196,8 @@ class Bucketer:
                 offsets.append(total)
                 total += param.numel()
             buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
-            self.buckets.append(Bucket(index, group, offsets, buffer, [False] * len(group)))
+            self.buckets.append(Bucket(index, group, offsets, buffer, [False] * len(group),
+                                       [False] * len(group)))
             for position, param in enumerate(group):
                 self.where[id(param)] = (index, position)
         if gradient_as_bucket_view:
@@ -190,7 +209,8 @@ class Bucketer:
                     param.grad = slot
         self.enabled = True  # False inside no_sync(): gradients just accumulate
         self.grad_scale = 1.0  # reduced gradients are multiplied by this (DDP's join)
-        # Horovod's backward_passes_per_step: a gradient is reduced on every k-th arrival.
+        # Horovod's backward_passes_per_step: a gradient goes in its bucket on its k-th
+        # arrival of a step (fewer: at finish(), with what it accumulated).
         self.passes_per_sync = passes_per_sync
         self._arrivals = {id(p): 0 for b in self.buckets for p in b.params}
         self.worker = CommWorker()
@@ -202,21 +222,36 @@ class Bucketer:
 
     # --- during backward ---------------------------------------------------------------
     def _on_grad_ready(self, param: torch.Tensor) -> None:
+        index, position = self.where[id(param)]
+        bucket = self.buckets[index]
+        bucket.used[position] = True  # inside no_sync() too: its .grad will be reduced
         if not self.enabled:
             return
         self._arrivals[id(param)] += 1
         if self._arrivals[id(param)] < self.passes_per_sync:
             return  # accumulate locally this pass
-        self._arrivals[id(param)] = 0
+        if bucket.ready[position]:
+            raise RuntimeError(
+                f"parameter {self._name(param)} got its gradient more often than "
+                f"{self.passes_per_sync} time(s) before its reduction (reused in the graph, "
+                "or more backward passes than that before step()?); this is not supported")
         if not self._step_started:
             self._step_started = True
             if self.finish_after_backward:  # run finish() once this backward pass ends
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        index, position = self.where[id(param)]
-        bucket = self.buckets[index]
+        self._fill_slot(bucket, position, view=self.gradient_as_bucket_view)
+        bucket.ready[position] = True
+        self._launch_ready_buckets()
+
+    def _fill_slot(self, bucket: Bucket, position: int, view: bool = False) -> None:
+        """Put a parameter's .grad (all it accumulated so far), or zeros if it has none,
+        in its slot of the bucket; `view`: and make .grad that slot, if it is not yet."""
+        param = bucket.params[position]
         slot = bucket.slot(position)
         grad = param.grad
-        if grad.is_sparse:
+        if grad is None:
+            slot.zero_()
+        elif grad.is_sparse:
             if not self.sparse_as_dense:
                 raise RuntimeError(f"parameter {self._name(param)} has a sparse gradient: "
                                    "pass sparse_as_dense=True to reduce it as a dense one")
@@ -224,13 +259,8 @@ class Bucketer:
             slot.copy_(grad.to_dense())
         elif grad.data_ptr() != slot.data_ptr():
             slot.copy_(grad)  # copy mode, or the optimizer replaced a view with None
-            if self.gradient_as_bucket_view:
+            if view:
                 param.grad = slot
-        if bucket.ready[position]:
-            raise RuntimeError(f"parameter {self._name(param)} got its gradient twice in one "
-                               "backward pass (reused in the graph?); this is not supported")
-        bucket.ready[position] = True
-        self._launch_ready_buckets()
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in index order, as far as they are complete."""
@@ -254,14 +284,14 @@ class Bucketer:
             return
         missing = [p for b in self.buckets for p, ready in zip(b.params, b.ready) if not ready]
         used_map = None
-        if self.unused == "detect":  # this rank's used map, before the zeros go in
-            used_map = torch.tensor([r for b in self.buckets for r in b.ready],
+        if self.unused == "detect":  # what this rank used since the last reduction
+            used_map = torch.tensor([u for b in self.buckets for u in b.used],
                                     dtype=torch.int32)
-        if missing:  # the peers wait for these buckets: send zeros for what we lack
+        if missing:  # the peers wait for these buckets: send what we hold, zeros if nothing
             for bucket in self.buckets:
                 for position, ready in enumerate(bucket.ready):
-                    if not ready:
-                        bucket.slot(position).zero_()
+                    if not ready:  # no view made: if no rank used it, .grad stays as it was
+                        self._fill_slot(bucket, position)
                         bucket.ready[position] = True
             self._launch_ready_buckets()
         if used_map is not None:
@@ -330,11 +360,15 @@ class Bucketer:
         return self._step_started
 
     def _reset(self) -> None:
+        """A reduction is done (or about to be shadowed): the next step starts afresh, its
+        arrival counts and used marks too, so nothing of this step launches the next."""
         self._pending = []
         self._next_to_launch = 0
         self._step_started = False
         for bucket in self.buckets:
             bucket.ready = [False] * len(bucket.params)
+            bucket.used = [False] * len(bucket.params)
+        self._arrivals = dict.fromkeys(self._arrivals, 0)
 
     def _name(self, param) -> str:
         return self.names.get(id(param), f"<parameter of shape {tuple(param.shape)}>")

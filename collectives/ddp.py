@@ -17,7 +17,9 @@ What happens underneath, in order:
    strategy (by default `allreduce`, see sync/allreduce.py) on a comm thread; when
    backward returns, every .grad holds the average over ranks.
 4. `no_sync()`: gradients accumulate locally; the next backward outside it reduces
-   the accumulated sum, as torch's.
+   the accumulated sum, as torch's. With find_unused_parameters=True a parameter used
+   in any of those passes, on any rank, is averaged (a rank that has no gradient for
+   it adds zeros), even if the syncing pass did not use it.
 5. `join()`: uneven inputs. A rank whose data ran out leaves the training loop and,
    inside the context, shadows the others' steps until every rank is done (see
    `join` below), as torch's DDP with its Join context.

@@ -160,3 +160,71 @@ def compare_horovod_with_torch_ddp(comm, compression="none"):
     averaged = hvd.allreduce(torch.tensor(float(rank)), name="rank")
     assert averaged.item() == (world_size - 1) / 2
     return digest_parameters(model)
+
+
+# --- gradient accumulation (no_sync) with parameters that only some passes use ---------------
+class SometimesB(nn.Module):
+    """`a` takes part in every pass; `b` only when the pass asks for it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x, use_b):
+        out = self.a(x)
+        return out + self.b(x) if use_b else out
+
+
+# Each step is a list of passes, the last one syncing and the others inside no_sync(); a
+# pass names the ranks that use `b` in it. One step after another on the same model, so a
+# step also shows that what earlier steps used is forgotten once they have synced.
+ACCUMULATION_STEPS = [
+    ({0}, set()),        # rank 0 uses b inside no_sync() only, and nobody while syncing
+    (set(), set()),      # nobody: b keeps no gradient, on every rank
+    ({0}, {1}),          # rank 0 inside no_sync(), rank 1 in the syncing pass
+    (set(), {1}),        # one rank, in the syncing pass only
+    ({0, 1}, set()),     # both ranks, inside no_sync() only
+    ({1}, {0}, set()),   # three passes: each rank in a different no_sync() pass
+]
+
+
+def _accumulate_step(model, optimizer, rank, step, passes):
+    """One step of gradient accumulation; returns every parameter's .grad after it."""
+    optimizer.zero_grad()
+    for number, users in enumerate(passes):
+        generator = torch.Generator().manual_seed(1000 * step + 10 * number + rank)
+        x = torch.randn(4, 4, generator=generator, dtype=DTYPE)
+        syncing = number == len(passes) - 1
+        with (_nothing() if syncing else model.no_sync()):
+            model(x, rank in users).pow(2).sum().backward()
+    grads = {name: None if p.grad is None else p.grad.detach().clone()
+             for name, p in model.module.named_parameters()}
+    optimizer.step()
+    return grads
+
+
+def compare_accumulation_with_torch_ddp(comm, gradient_as_bucket_view=False):
+    """no_sync() with find_unused_parameters=True, where `b` is used in some passes on some
+    ranks: after every step each .grad is torch DDP's (a parameter used by any rank in any
+    pass since the last sync is averaged; one that no rank used keeps its .grad), and the
+    ranks agree."""
+    rank = comm.rank
+    models = {}
+    for face, wrapper in (("torch", torch.nn.parallel.DistributedDataParallel),
+                          ("ours", collectives.DistributedDataParallel)):
+        model = wrapper(SometimesB().to(DTYPE), find_unused_parameters=True,
+                        gradient_as_bucket_view=gradient_as_bucket_view)
+        models[face] = (model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for step, passes in enumerate(ACCUMULATION_STEPS):
+        theirs, ours = (_accumulate_step(*models[face], rank, step, passes)
+                        for face in ("torch", "ours"))
+        for name, expected in theirs.items():
+            where = f"{name}.grad on rank {rank} after step {step} (b used by {passes})"
+            assert (ours[name] is None) == (expected is None), \
+                f"{where}: torch's is {expected}, ours is {ours[name]}"
+            if expected is not None:
+                torch.testing.assert_close(ours[name], expected, rtol=1e-9, atol=1e-12,
+                                           msg=lambda m: f"{where}: {m}")
+    return digest_parameters(models["ours"][0].module)

@@ -223,6 +223,79 @@ def check_horovod_uneven_parameters(comm, steps=3):
     return float(sum(p.sum() for p in model.parameters()))
 
 
+# Each step is two backward passes (backward_passes_per_step=2); a pass names the ranks
+# whose loss goes through head_b in it. The trunk and head_a take part in every pass.
+PASSES_PER_STEP = 2
+HEAD_B_USERS = [
+    [{0, 1}, {1}],   # head_b's hook fires once on rank 0, twice on rank 1
+    [{0, 1}, {0, 1}],  # twice everywhere: nothing of the step before may count
+    [set(), {1}],    # rank 1 once, rank 0 never (its .grad is None: zeros)
+]
+
+
+def _accumulation_loss(model, rank, step, number, users):
+    generator = torch.Generator().manual_seed(100 * step + 10 * number + rank)
+    x = torch.randn(4, 6, generator=generator, dtype=torch.float64)
+    h = torch.relu(model.trunk(x))
+    out = model.head_a(h) + (model.head_b(h) if rank in users else 0)
+    return out.pow(2).mean()
+
+
+def check_horovod_backward_passes_per_step(comm):
+    """backward_passes_per_step=2 with a parameter whose hook fires fewer than 2 times on
+    some rank: as in Horovod, each rank's gradient accumulates over the step's passes and
+    what it accumulated is averaged at step() (not zeros), and the count starts afresh
+    every step. Compared, step by step, with that recipe replayed in one process."""
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    model, reference = TwoHeads().double(), TwoHeads().double()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=PASSES_PER_STEP)
+    for step, passes in enumerate(HEAD_B_USERS):
+        optimizer.zero_grad()
+        for number, users in enumerate(passes):
+            _accumulation_loss(model, rank, step, number, users).backward()
+        if step % 2 == 0:  # both ways a step ends: step() alone, synchronize() then step()
+            optimizer.step()
+        else:
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        reference.zero_grad()  # every rank's passes accumulate into one sum over the world
+        for r in range(size):
+            for number, users in enumerate(passes):
+                _accumulation_loss(reference, r, step, number, users).backward()
+        with torch.no_grad():
+            for param in reference.parameters():
+                if param.grad is not None:
+                    param -= 0.1 * param.grad / size
+        for (name, ours), (_, theirs) in zip(model.named_parameters(),
+                                             reference.named_parameters()):
+            _close(ours, theirs, f"{name} on rank {rank} after step {step} (head_b used by "
+                   f"{passes})", rtol=1e-9, atol=1e-12)
+    return float(sum(p.detach().sum() for p in model.parameters()))
+
+
+def check_horovod_too_many_backward_passes(comm):
+    """A third backward pass with backward_passes_per_step=2, before step(): an error on
+    every rank, as in Horovod, not a pass silently left out of the average; returns it.
+    synchronize() then ends the step (its buckets were reduced after the second pass)."""
+    hvd.init()
+    model = TwoHeads().double()
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                         named_parameters=model.named_parameters(),
+                                         backward_passes_per_step=PASSES_PER_STEP)
+    try:
+        for number in range(PASSES_PER_STEP + 1):
+            _accumulation_loss(model, comm.rank, 0, number, {0, 1}).backward()
+        message = "no error"
+    except RuntimeError as error:
+        message = str(error)
+    optimizer.synchronize()
+    return message
+
+
 def check_horovod_join_training(comm):
     """Uneven inputs with DistributedOptimizer: rank r trains 2 + r steps, then joins.
     While it waits in join() its zeros stand in for its gradients, so each step's

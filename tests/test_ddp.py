@@ -101,3 +101,14 @@ def test_horovod_mnist_example_runs_under_mpirun():
     assert out.returncode == 0, out.stderr
     accuracy = float(out.stdout.split("Accuracy: ")[-1].rstrip().rstrip("%"))
     assert accuracy > 80, out.stdout  # two epochs of 4000 digits: it learns
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("gradient_as_bucket_view", [False, True])
+def test_accumulation_with_parameters_used_in_some_passes_equals_torch_ddp(
+        gradient_as_bucket_view):
+    """no_sync() and find_unused_parameters=True: a parameter used inside no_sync() on one
+    rank, or in the syncing pass by one rank, is averaged as torch's DDP does."""
+    from checks_ddp import compare_accumulation_with_torch_ddp
+    assert_same_on_every_rank(run_world(compare_accumulation_with_torch_ddp, 2,
+                                        (gradient_as_bucket_view,), timeout=180))

@@ -95,3 +95,17 @@ def test_torch_ddp_script_with_one_import_changed(tmp_path):
     for name, expected in saved["torch"].items():
         torch.testing.assert_close(saved["collectives"][name], expected, rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.timeout(120)
+def test_horovod_backward_passes_per_step_with_a_parameter_used_in_fewer_passes():
+    """backward_passes_per_step=2 and a parameter whose hook fires once in a step on one
+    rank: its accumulated gradient is averaged (not zeros), and the next step's count
+    starts afresh (no bucket launched after one pass)."""
+    same_everywhere(run_world(checks.check_horovod_backward_passes_per_step, 2, timeout=100))
+
+
+@pytest.mark.timeout(120)
+def test_horovod_more_backward_passes_than_per_step_fail_clearly():
+    for message in run_world(checks.check_horovod_too_many_backward_passes, 2, timeout=100):
+        assert "more backward passes" in message, message

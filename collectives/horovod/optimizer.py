@@ -144,6 +144,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     tensors and handed back sparse; without it they are refused with a clear error.
     sparse: older Horovod's name for taking sparse gradients; the same here (the values
     are those of a sparse allreduce; only fewer zeros are dropped).
+    backward_passes_per_step=k: gradients accumulate locally over k backward passes and
+    are averaged at step(): a gradient goes out on its k-th pass, one that came in fewer
+    passes goes out at step() with what it accumulated; counts start afresh after each
+    step() / synchronize(), and a (k+1)-th pass before it is an error, as in Horovod.
 
     Returns the same optimizer object (so LR schedulers and isinstance checks still work)
     with step() wrapped and synchronize() / skip_synchronize() added.
