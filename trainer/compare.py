@@ -2,7 +2,7 @@
 
     python -m trainer.compare --dataset mnist --data-dir ../shared/data --nproc 4 \\
         --sync allreduce,ddp,local-sgd:period=8,ddp-localsgd:period=8,bf16,ddp-bf16 \\
-        --epochs 4 --stop-at 0.95 --out docs/compare
+        --epochs 4 --stop-at 0.95 --out docs/data/compare
     python -m trainer.compare --hosts 4 --bandwidth 100mbit ...   (the emulated cluster)
     python -m trainer.compare --launcher torchrun --nproc 2 ...
 

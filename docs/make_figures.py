@@ -1,0 +1,124 @@
+"""Draw every figure of docs/ again from the measurements saved in docs/data/.
+
+    python docs/make_figures.py
+
+Each figure is drawn by the tool that made it in the first place, from the rows that
+tool saved: `collectives.bench --json` rows through `collectives.bench.plot`, and
+`trainer.compare`'s per-job records through `trainer.compare.summarize` and
+`trainer.compare.plot`, a `--trace` run's merged trace.json through
+`collectives.trace.picture.draw`. A figure whose measurements were not saved, or that
+was measured before a fix that changes it, cannot be made from data: for each of those
+this prints the command that measures it again instead. Nothing is measured here.
+
+After measuring a figure again, drop its `stale` note below.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Callable, Dict, List, NamedTuple
+
+DOCS = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(DOCS))  # the project's own tools, run from anywhere
+
+DATA = os.path.join(DOCS, "data")
+FIGURES = os.path.join(DOCS, "figures")
+
+CLUSTER_100MBIT = "python -m collectives.cluster --hosts 4 --bandwidth 100mbit --"
+COMPARE_SYNCS = ("ddp,allreduce,ddp-bf16,bf16,ddp-fp16,fp16,ddp-powersgd,powersgd,"
+                 "ddp-localsgd,local-sgd,topk,async-avg,delayed,gossip")
+
+
+class Figure(NamedTuple):
+    picture: str                    # file in docs/figures/
+    data: str                       # file in docs/data/ it is drawn from
+    draw: Callable[[str, str], None]  # draw(data_path, picture_path)
+    measure: str                    # the command that writes `data` again
+    stale: str = ""                 # why the saved measurement no longer stands, if so
+
+
+def read_rows(path: str) -> List[Dict]:
+    with open(path) as lines:
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def draw_bench(data: str, picture: str) -> None:
+    """busbw against size, one line per algorithm: `collectives.bench --plot`."""
+    from collectives import bench
+    bench.plot(read_rows(data), picture)
+
+
+def draw_compare(data: str, picture: str, target: float = 0.95) -> None:
+    """Test accuracy against training time and bytes: what `trainer.compare` draws."""
+    from trainer import compare
+    compare.plot([compare.summarize(job, target) for job in read_rows(data)], picture, target)
+
+
+def draw_timeline(data: str, picture_path: str) -> None:
+    """Per rank and thread, what each sync did: `python -m collectives.trace DIR`."""
+    from collectives.trace import picture, summary
+    picture.draw(summary.load(data), picture_path)
+
+
+def bench_command(nproc: int, backend: str, shm: str, data: str) -> str:
+    flags = f"--nproc {nproc}" + (f" --backend {backend}" if backend != "gloo" else "")
+    flags += " --shm off" if shm == "off" else ""
+    return (f"python -m collectives.bench {flags} --sizes 1K,16K,64K,256K,1M,4M,16M,64M "
+            f"--trials 3 --seconds-per-row 0.6 --json docs/data/{data}")
+
+
+BEFORE_SHM = "measured before the shared-memory transport existed (docs/benchmarks.md)"
+
+FIGURES_OF_THE_DOCS = [
+    Figure("bench_gloo_shm_2.png", "bench_gloo_shm_2.jsonl", draw_bench,
+           bench_command(2, "gloo", "on", "bench_gloo_shm_2.jsonl")),
+    Figure("bench_gloo_shm_4.png", "bench_gloo_shm_4.jsonl", draw_bench,
+           bench_command(4, "gloo", "on", "bench_gloo_shm_4.jsonl")),
+    Figure("bench_mpi_shm_4.png", "bench_mpi_shm_4.jsonl", draw_bench,
+           bench_command(4, "mpi", "on", "bench_mpi_shm_4.jsonl")),
+    Figure("bench_gloo_2.png", "gloo2.jsonl", draw_bench,
+           bench_command(2, "gloo", "off", "gloo2.jsonl"), BEFORE_SHM),
+    Figure("bench_gloo_4.png", "gloo4.jsonl", draw_bench,
+           bench_command(4, "gloo", "off", "gloo4.jsonl"), BEFORE_SHM),
+    Figure("bench_mpi_4.png", "mpi4.jsonl", draw_bench,
+           bench_command(4, "mpi", "off", "mpi4.jsonl"), BEFORE_SHM),
+    Figure("compare_1gbit.png", "compare_1gbit.jsonl", draw_compare,
+           "python -m trainer.compare --hosts 4 --bandwidth 1gbit --dataset mnist "
+           "--data-dir ../shared/data --epochs 3 --stop-at 0.95 --out docs/data/compare_1gbit "
+           "--sync ddp,allreduce,ddp-bf16,bf16,powersgd,local-sgd,topk,async-avg"),
+    Figure("compare.png", "compare.jsonl", draw_compare,
+           "python -m trainer.compare --hosts 4 --bandwidth 100mbit --dataset mnist "
+           f"--data-dir ../shared/data --epochs 3 --stop-at 0.95 --out docs/data/compare "
+           f"--sync {COMPARE_SYNCS}"),
+    Figure("timeline.png", "timeline_trace.json", draw_timeline,
+           f"{CLUSTER_100MBIT} python -m trainer.bench --sync ddp,allreduce,powersgd "
+           "--steps 3 --rounds 1 --warmup 2 --trace run && "
+           "cp run/trace.json docs/data/timeline_trace.json",
+           "predates the fix to the cluster's shaper (docs/trace.md)"),
+]
+
+
+def main() -> int:
+    os.makedirs(FIGURES, exist_ok=True)
+    to_measure = []
+    for figure in FIGURES_OF_THE_DOCS:
+        data = os.path.join(DATA, figure.data)
+        if not os.path.exists(data):
+            why = f"no saved measurements (docs/data/{figure.data})"
+            to_measure.append((figure, why + (f"; the figure shown {figure.stale}"
+                                              if figure.stale else "")))
+            continue
+        figure.draw(data, os.path.join(FIGURES, figure.picture))
+        print(f"drew docs/figures/{figure.picture} from docs/data/{figure.data}")
+        if figure.stale:
+            to_measure.append((figure, f"drawn, but {figure.stale}"))
+    if to_measure:
+        print("\nto be measured again (each command writes the data; then run this again):")
+        for figure, why in to_measure:
+            print(f"\ndocs/figures/{figure.picture}: {why}\n    {figure.measure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
