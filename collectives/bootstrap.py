@@ -277,10 +277,20 @@ def _close_at_exit() -> None:
 
     Background communication threads (the bucketer's, async strategies') are stopped
     first, so none is inside a transport that is being closed. Each gets a few seconds
-    to finish the round it is in with peers that are exiting too.
+    to finish the round it is in with peers that are exiting too. One still running
+    after that waits on a peer that has not come (a stalled rank, a slow link): then the
+    communicator is left open. Closing it would free what that thread is using (with
+    shared memory, unmap the segments it is reading: a SIGSEGV instead of the script's
+    exit status). The thread is a daemon, so the process still exits, and the kernel
+    frees the rest; nothing is left in /dev/shm, whose files are removed as soon as
+    every rank has mapped them (ShmTransport.connect).
     """
     try:
-        _stop_background(EXIT_GRACE_SECONDS)
+        if _stop_background(EXIT_GRACE_SECONDS):
+            print(f"collectives: at exit, communication is still waiting on a peer after "
+                  f"{EXIT_GRACE_SECONDS:g} s; the communicator is left open under it and "
+                  "goes with the process", file=sys.stderr)
+            return
         destroy()
     except Exception as error:  # exiting anyway: say so, never turn an exit into a crash
         print(f"collectives: closing the communicator at exit failed: {error}",
@@ -288,13 +298,14 @@ def _close_at_exit() -> None:
 
 
 def stop_at_exit(worker) -> None:
-    """Have `worker` (with stop() and join(seconds)) stopped before the exit closes the
-    communicator. Background communication threads register themselves here."""
+    """Have `worker` (with stop(), join(seconds) and its `thread`) stopped before the
+    exit closes the communicator. Background communication threads register here."""
     _background.add(worker)
 
 
-def _stop_background(seconds: float) -> None:
-    """Stop every registered worker and give them `seconds` in all to finish.
+def _stop_background(seconds: float) -> bool:
+    """Stop every registered worker, give them `seconds` in all to finish, and say
+    whether any is still running.
 
     A job still running after that talks to a peer that has not come; it is left to its
     daemon thread (its own timeout ends it), since exiting must not wait on a peer.
@@ -305,6 +316,7 @@ def _stop_background(seconds: float) -> None:
     deadline = time.monotonic() + seconds
     for worker in workers:
         worker.join(max(0.0, deadline - time.monotonic()))
+    return any(worker.thread.is_alive() for worker in workers)
 
 
 def _abort_mpi_job_on_uncaught(previous_hook):

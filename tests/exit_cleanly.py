@@ -7,16 +7,24 @@ A job's ranks init, run one all-reduce, and then end in one of these ways, none 
 them calling collectives.destroy():
 
     end        every rank reaches the end of the script             expect exit 0
-    ddp        one DDP training step (the comm thread is running)    expect exit 0
+    ddp        one DDP training step (the comm thread is idle again) expect exit 0
+    stall      rank 0 ends with a bucket's reduction still waiting   expect exit 0
+               for rank 1, which stalls past rank 0's exit grace
     async      async-avg started, never closed (a round in flight)   expect exit 0
+    init-fail  rank 1 fails inside init(), while the shared-memory   expect the job to fail
+               files exist
     raise      rank 1 raises before the next all-reduce              expect the job to fail
     sys-exit   rank 1 calls sys.exit(3) before the next all-reduce   expect the job to fail
     interrupt  rank 1 gets KeyboardInterrupt there                   expect the job to fail
 
-A failing job must fail for the reason given (rank 1's error is on screen), every rank
-must be gone within the timeout, and none may abort ("terminate called ...", SIGABRT)
-or leave a file in /dev/shm. The same file is the rank program: `exit_cleanly.py rank
-CASE BACKEND` is what each launcher starts.
+A job must end with its case's exit status, exactly (FAILED_STATUS; under torchrun, also
+rank 1's own status in torchrun's report), with rank 1's error on screen when it fails.
+No rank may die of a signal nobody sent it (a SIGSEGV, a SIGABRT: "terminate called
+..."), every rank must be gone within the timeout, and no file may be left in /dev/shm.
+Files exist there only while init() connects the ranks, so init-fail is the case that
+can leave one; it also reports how many it saw, so that check is known to have looked.
+stall and init-fail need a peer: the single launcher skips them. The same file is the
+rank program: `exit_cleanly.py rank CASE BACKEND` is what each launcher starts.
 
 Launchers: torchrun (gloo), mpirun-gloo, mpirun-mpi (our mpi4py backend), single (one
 plain process, no launcher). The tests (test_exit.py) run a few jobs of each; the
@@ -26,7 +34,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -37,10 +47,30 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RANK_TIMEOUT = 10      # seconds: collectives.init(timeout=...) in every rank
 JOB_LIMIT = 120        # seconds before a job counts as hung
-CASES = ("end", "ddp", "async", "raise", "sys-exit", "interrupt")
-CLEAN_CASES = ("end", "ddp", "async")
+CASES = ("end", "ddp", "stall", "async", "init-fail", "raise", "sys-exit", "interrupt")
+CLEAN_CASES = ("end", "ddp", "stall", "async")
 LAUNCHERS = ("torchrun", "mpirun-gloo", "mpirun-mpi", "single")
-ABORT_SIGNS = ("terminate called", "core dumped", "SIGABRT", "exitcode: -6", "Aborted")
+ABORT_SIGNS = ("terminate called", "core dumped", "SIGABRT", "Aborted")
+MULTI_RANK_CASES = ("stall", "init-fail")  # need a peer: not run by the single launcher
+# The exit status of a failing job: torchrun ends any job whose worker failed with 1 (and
+# reports each worker's own status: RANK1_STATUS), mpirun passes on the code of the
+# MPI_Abort that ended the job, and one plain process exits as Python does.
+FAILED_STATUS = {  # case: (torchrun, mpirun, single)
+    "init-fail": (1, 1, None),
+    "raise": (1, 1, 1),
+    "sys-exit": (1, 1, 3),  # mpirun: the survivor's PeerError aborts the job with 1
+    "interrupt": (1, 130, -signal.SIGINT),  # Python ends itself by SIGINT, as shells expect
+}
+RANK1_STATUS = {"init-fail": 1, "raise": 1, "sys-exit": 3, "interrupt": -signal.SIGINT}
+FAILURE_SIGNS = {"init-fail": "rank 1 failed during init on purpose",
+                 "raise": "rank 1 failed on purpose", "sys-exit": "SystemExit: 3",
+                 "interrupt": "KeyboardInterrupt"}
+# How a launcher says a rank ended on a signal: torchrun's worker report, mpirun's (MPICH's
+# hydra, Open MPI's). SIGTERM and SIGKILL are the launchers' own way to stop survivors.
+SIGNAL_REPORTS = (re.compile(r"exitcode\s*:\s*-(\d+)"), re.compile(r"\(signal (\d+)\)"),
+                  re.compile(r"exited on signal (\d+)"))
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGKILL)
+EXIT_NOTE = "still waiting on a peer"  # bootstrap's note when it leaves the communicator open
 
 
 # --- the rank program ----------------------------------------------------------------------
@@ -62,9 +92,13 @@ def _rank_case(case: str, backend: str) -> None:
     import collectives
     from collectives import sync
 
+    if case == "init-fail":
+        _fail_while_the_segments_exist()
     comm = collectives.init(backend=backend, timeout=RANK_TIMEOUT)
     collectives.all_reduce(torch.ones(1000), op="sum")
-    if case == "ddp":
+    if case == "stall":
+        _stall_with_a_reduction_in_flight(comm)
+    elif case == "ddp":
         model = collectives.DistributedDataParallel(torch.nn.Linear(20, 4), comm=comm)
         model(torch.randn(8, 20)).sum().backward()
     elif case == "async":
@@ -86,6 +120,65 @@ def _rank_case(case: str, backend: str) -> None:
     print(f"rank {comm.rank} done", flush=True)
 
 
+def _fail_while_the_segments_exist() -> None:
+    """Have rank 1 fail inside init() at the moment every shared-memory file is in
+    /dev/shm: just after it has mapped rank 0's segment (ranks remove their files only
+    once every rank has mapped them). It writes how many it saw, so the driver knows its
+    leftover check looked at a job that had files to leave."""
+    from collectives.transport import shm
+    map_segment = shm._Segment.__init__
+
+    def failing(segment, path, local_size, slots, slot_bytes, create):
+        map_segment(segment, path, local_size, slots, slot_bytes, create)
+        if not create and path.endswith("-0"):  # rank 1 (of 2) maps rank 0's segment
+            with open(os.path.join(os.environ["EXIT_CLEANLY_DIR"], "segments-seen"), "w") as out:
+                out.write(str(len(_shm_files())))
+            raise RuntimeError("rank 1 failed during init on purpose")
+
+    shm._Segment.__init__ = failing
+
+
+def _stall_with_a_reduction_in_flight(comm) -> None:
+    """Rank 0 ends its script while its comm thread is still inside a bucket's
+    reduction: it runs backward under the Horovod face (whose step() would wait for the
+    buckets) and stops there. Rank 1 stalls past rank 0's exit grace
+    (EXIT_GRACE_SECONDS), so that exit finds the reduction still waiting for rank 1,
+    then ends without communicating.
+
+    Rank 1 stalls until rank 0 is gone, or at most a few seconds past the grace: under
+    mpirun, rank 0's MPI_Finalize waits for rank 1's."""
+    import torch
+    import collectives
+    from collectives import horovod as hvd
+    from collectives.bootstrap import EXIT_GRACE_SECONDS
+    pids = torch.zeros(comm.world_size, dtype=torch.int64)
+    pids[comm.rank] = os.getpid()
+    collectives.all_reduce(pids, op="sum")  # every rank's pid
+    model = torch.nn.Linear(20, 4)
+    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                             named_parameters=model.named_parameters())
+    ending = os.path.join(os.environ["EXIT_CLEANLY_DIR"], "rank-0-ending")
+    if comm.rank == 0:
+        model(torch.randn(8, 20)).sum().backward()  # the bucket goes to the comm thread
+        open(ending, "w").close()
+        return
+    deadline = time.monotonic() + JOB_LIMIT / 2
+    while not os.path.exists(ending) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    deadline = min(deadline, time.monotonic() + EXIT_GRACE_SECONDS + 5)
+    while _alive(int(pids[0])) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 # --- the driver ------------------------------------------------------------------------------
 @dataclass
 class Outcome:
@@ -95,26 +188,71 @@ class Outcome:
     seconds: float
     output: str
     leftovers: list
+    segments_seen: int = 0  # init-fail: collectives files in /dev/shm when rank 1 failed
 
     @property
-    def aborted(self) -> bool:
-        return self.returncode in (-6, 134) or any(s in self.output for s in ABORT_SIGNS)
+    def expected_status(self) -> int:
+        if self.case in CLEAN_CASES:
+            return 0
+        torchrun, mpirun, single = FAILED_STATUS[self.case]
+        return {"torchrun": torchrun, "single": single}.get(self.launcher, mpirun)
+
+    @property
+    def signals(self) -> set:
+        """The signals that ended a rank (or the launcher), as the launcher reports them."""
+        found = {int(number) for pattern in SIGNAL_REPORTS
+                 for number in pattern.findall(self.output)}
+        if self.returncode is not None and self.returncode < 0:
+            found.add(-self.returncode)
+        return found
+
+    @property
+    def crashed(self) -> bool:
+        """Did a rank die of a signal nobody sent it (SIGSEGV, SIGABRT...) or abort?
+        (The interrupt case's rank 1 ends by SIGINT of its own, as Python does.)"""
+        allowed = set(STOP_SIGNALS) | ({signal.SIGINT} if self.case == "interrupt" else set())
+        return bool(self.signals - allowed) or any(s in self.output for s in ABORT_SIGNS)
+
+    def rank_status(self, rank: int):
+        """The rank's own exit status as torchrun reports it (None if not reported)."""
+        found = re.search(rf"rank\s*:\s*{rank} \(local_rank: \d+\)\s*exitcode\s*:\s*(-?\d+)",
+                          self.output)
+        return int(found.group(1)) if found else None
+
+    @property
+    def problems(self) -> list:
+        """What is wrong with how the job ended; empty when it ended the way its case must."""
+        if self.returncode is None:
+            return ["hung"]
+        found = []
+        if self.crashed:
+            found.append(f"a rank crashed (signals {sorted(self.signals)})")
+        if self.returncode != self.expected_status:
+            found.append(f"exit {self.returncode}, expected {self.expected_status}")
+        if self.leftovers:
+            found.append(f"left in /dev/shm: {self.leftovers}")
+        if self.case in FAILURE_SIGNS and FAILURE_SIGNS[self.case] not in self.output:
+            found.append(f"rank 1's error ({FAILURE_SIGNS[self.case]!r}) is not on screen")
+        if (self.launcher == "torchrun" and self.case in RANK1_STATUS
+                and self.rank_status(1) != RANK1_STATUS[self.case]):
+            found.append(f"rank 1 exited {self.rank_status(1)}, expected "
+                         f"{RANK1_STATUS[self.case]}")
+        if self.case == "init-fail" and not self.segments_seen:
+            found.append("rank 1 saw no segment in /dev/shm: the leftover check checked nothing")
+        if self.case == "stall" and self.launcher != "single" and EXIT_NOTE not in self.output:
+            found.append("rank 0's exit did not note a reduction left waiting: the case "
+                         "did not happen, or the exit closed under it")
+        return found
 
     @property
     def ok(self) -> bool:
         """Did the job end the way its case must?"""
-        if self.aborted or self.leftovers or self.returncode is None:
-            return False
-        if self.case in CLEAN_CASES:
-            return self.returncode == 0
-        reason = {"raise": "rank 1 failed on purpose", "sys-exit": "",
-                  "interrupt": "KeyboardInterrupt"}[self.case]
-        return self.returncode != 0 and reason in self.output
+        return not self.problems
 
     def describe(self) -> str:
-        state = "hung" if self.returncode is None else f"exit {self.returncode}"
         tail = "\n".join(self.output.strip().splitlines()[-8:])
-        return f"{self.launcher} {self.case}: {state} after {self.seconds:.1f} s\n{tail}"
+        return (f"{self.launcher} {self.case}: {'; '.join(self.problems) or 'ok'} after "
+                f"{self.seconds:.1f} s\n{tail}")
 
 
 def command(launcher: str, case: str, nprocs: int) -> list:
@@ -151,11 +289,29 @@ def run_job(launcher: str, case: str, nprocs: int = 2) -> Outcome:
         output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
                          for part in (hung.stdout or "", hung.stderr or ""))
     seconds = time.monotonic() - started
+    segments_seen = 0
     for name in sorted(os.listdir(errors)):  # the ranks' errors, as they wrote them
         with open(os.path.join(errors, name)) as file:
-            output += f"\n[error file] {file.read()}"
+            if name == "segments-seen":
+                segments_seen = int(file.read())
+            elif name.startswith("error-"):
+                output += f"\n[error file] {file.read()}"
     shutil.rmtree(errors, ignore_errors=True)
-    return Outcome(launcher, case, returncode, seconds, output, sorted(_shm_files() - before))
+    return Outcome(launcher, case, returncode, seconds, output, _left_since(before),
+                   segments_seen)
+
+
+def _left_since(before: set) -> list:
+    """Files in /dev/shm since `before` that stay: another job's (these tests may run
+    beside others) exist only for the moment its ranks take to map them."""
+    new = _shm_files() - before
+    if new:
+        time.sleep(1.0)
+    return sorted(new & _shm_files())
+
+
+def cases_for(launcher: str) -> list:
+    return [case for case in CASES if launcher != "single" or case not in MULTI_RANK_CASES]
 
 
 def main(argv=None) -> int:
@@ -169,15 +325,15 @@ def main(argv=None) -> int:
     for name in launchers + cases:
         if name not in LAUNCHERS + CASES:
             parser.error(f"unknown launcher or case {name!r}")
-    print(f"{'launcher':12} {'case':10} {'runs':>5} {'ok':>5} {'aborts':>7} {'worst s':>8}")
+    print(f"{'launcher':12} {'case':10} {'runs':>5} {'ok':>5} {'crashes':>7} {'worst s':>8}")
     failed = 0
     for launcher in launchers:
-        for case in cases:
+        for case in [case for case in cases if case in cases_for(launcher)]:
             outcomes = [run_job(launcher, case, args.nprocs) for _ in range(args.runs)]
             bad = [o for o in outcomes if not o.ok]
             failed += len(bad)
             print(f"{launcher:12} {case:10} {len(outcomes):5} {len(outcomes) - len(bad):5} "
-                  f"{sum(o.aborted for o in outcomes):7} "
+                  f"{sum(o.crashed for o in outcomes):7} "
                   f"{max(o.seconds for o in outcomes):8.1f}", flush=True)
             for outcome in bad[:2]:
                 print("  " + outcome.describe().replace("\n", "\n  "), flush=True)
