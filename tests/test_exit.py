@@ -33,12 +33,6 @@ def test_exit_leaves_a_reduction_waiting_on_a_stalled_peer_alone(launcher):
     assert outcome.ok, outcome.describe()
 
 
-# Under torchrun, a rank failing inside init() can still leave its peer's file in
-# /dev/shm: torchrun's SIGTERM to the peer may come before the peer removes its file
-# (ShmTransport.connect removes it in a `finally`, which a signal's default action
-# skips). Seen in 1 job of 14; `exit_cleanly.py --runs 20 --launchers torchrun --cases
-# init-fail` can show it. Not run here until connect() survives that.
-KNOWN_TO_FAIL = {("torchrun", "init-fail")}
 
 
 @pytest.mark.timeout(600)
@@ -47,7 +41,7 @@ def test_a_failing_rank_fails_the_job_and_nobody_hangs(launcher):
     """Including init-fail, where rank 1 fails while the shared-memory files exist: none
     may be left in /dev/shm."""
     for case in cases_for(launcher):
-        if case in CLEAN_CASES or (launcher, case) in KNOWN_TO_FAIL:
+        if case in CLEAN_CASES:
             continue
         outcome = run_job(launcher, case)
         assert outcome.ok, outcome.describe()  # its exit status, exactly; no crash

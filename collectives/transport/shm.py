@@ -62,11 +62,14 @@ memory off, with one warning line, instead of killing a rank with SIGBUS later.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import mmap
 import os
 import secrets
+import signal
 import sys
+import threading
 import time
 from collections import deque
 from typing import Callable, Deque, Dict, List, Optional, Sequence
@@ -282,6 +285,30 @@ def _warn_fallback(backend: str, reason: str) -> None:
               f"{backend}: {reason}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def _terminate_runs_finally():
+    """While the block runs, SIGTERM raises SystemExit (exit status 143) instead of
+    ending the process on the spot, so the block's `finally` still removes its files.
+
+    A launcher stops the survivors of a failed job with SIGTERM (torchrun does, at once,
+    when one rank fails during start-up); by default that ends a process without
+    unwinding, and a segment created a moment before would stay in /dev/shm. Only where
+    SIGTERM has its default action and only on the main thread (the one Python delivers
+    signals to); a handler of the program's own is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def exit_unwinding(signum, frame):
+        raise SystemExit(128 + signum)
+    signal.signal(signal.SIGTERM, exit_unwinding)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
 def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.reshape(-1).view(torch.uint8)
 
@@ -378,39 +405,41 @@ class ShmTransport(Transport):
         paths = {rank: f"/dev/shm/collectives-{token.item():x}-{rank}" for rank in local}
         segments: Dict[int, _Segment] = {}
         connected = False
-        try:
-            problem = None
+        # The files below go whatever happens, a launcher's SIGTERM included.
+        with _terminate_runs_finally():
             try:
-                segments[me] = _Segment(paths[me], len(local), slots, slot_bytes, True)
-                for index, src in enumerate(local):  # our inbox's semaphores
-                    if src != me:
-                        _Channel(segments[me], index, slots, slot_bytes, 0, src,
-                                 create=True).release()
-            except OSError as error:
-                mib = _layout(len(local), slots, slot_bytes)[1] / 2**20
-                problem = (f"rank {me} could not create its {mib:.1f} MiB segment in "
-                           f"/dev/shm ({error.strerror or error}); its host's {len(local)} "
-                           f"ranks need {mib * len(local):.0f} MiB free there")
-            if given_up(problem):
-                return inner
-            try:
-                for rank in local:
-                    if rank != me:
-                        segments[rank] = _Segment(paths[rank], len(local), slots,
-                                                  slot_bytes, False)
-            except OSError as error:
-                problem = f"rank {me} could not map a peer's segment: {error}"
-            if given_up(problem):
-                return inner
-            watch_pids = everyone(all(_alive(s.pid.value) for s in segments.values()))
-            connected = True
-            return cls(inner, segments, slots, slot_bytes, watch_pids)
-        finally:
-            if me in segments:
-                os.unlink(paths[me])  # every rank has mapped it (or given up) by now
-            if not connected:
-                for segment in segments.values():
-                    segment.close()
+                problem = None
+                try:
+                    segments[me] = _Segment(paths[me], len(local), slots, slot_bytes, True)
+                    for index, src in enumerate(local):  # our inbox's semaphores
+                        if src != me:
+                            _Channel(segments[me], index, slots, slot_bytes, 0, src,
+                                     create=True).release()
+                except OSError as error:
+                    mib = _layout(len(local), slots, slot_bytes)[1] / 2**20
+                    problem = (f"rank {me} could not create its {mib:.1f} MiB segment "
+                               f"in /dev/shm ({error.strerror or error}); its host's "
+                               f"{len(local)} ranks need {mib * len(local):.0f} MiB free there")
+                if given_up(problem):
+                    return inner
+                try:
+                    for rank in local:
+                        if rank != me:
+                            segments[rank] = _Segment(paths[rank], len(local), slots,
+                                                      slot_bytes, False)
+                except OSError as error:
+                    problem = f"rank {me} could not map a peer's segment: {error}"
+                if given_up(problem):
+                    return inner
+                watch_pids = everyone(all(_alive(s.pid.value) for s in segments.values()))
+                connected = True
+                return cls(inner, segments, slots, slot_bytes, watch_pids)
+            finally:
+                if me in segments:
+                    os.unlink(paths[me])  # every rank has mapped it (or given up) by now
+                if not connected:
+                    for segment in segments.values():
+                        segment.close()
 
     # --- point to point ---------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
