@@ -23,12 +23,20 @@ The training loop calls the moments in this order, every optimizer step:
     forward, backward (reduce_bucket for each bucket), after_backward, optimizer.step(),
     after_step; and close() once at the end.
 
+A step whose gradients are not finite (an fp16 overflow, a bad batch) is skipped by
+the loop (GradScaler, or the trainer's --skip-nonfinite), but only after the strategy
+has seen it. So a strategy that keeps gradients from one step to the next (error
+feedback, a warm start) must take a step into that state only when the step's
+*reduced* values are all finite (`finite` below), or one inf would stay in its state
+and make every later step non-finite. The reduced values are the same on every rank,
+so every rank makes the same decision without asking the others.
+
 A strategy talks only through the collectives and the transport (`self.comm`), and the
 transport's counters say what it sent. Register a new one with `@register("name")`.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Type
+from typing import Callable, Dict, Iterable, Type
 
 import torch
 
@@ -59,6 +67,16 @@ class SyncStrategy:
 
     def close(self) -> None:
         """Training is over: wait for (or cancel) anything still in flight."""
+
+
+def finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when every tensor holds only finite numbers (no inf, no NaN).
+
+    Call it on reduced values, which every rank holds identically: then every rank gets
+    the same answer with no collective of its own. A non-finite number on any one rank
+    survives the reduction (inf + x is inf or NaN, NaN + x is NaN), so it is seen by all.
+    """
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 _REGISTRY: Dict[str, Type[SyncStrategy]] = {}
