@@ -122,6 +122,48 @@ def one_bad_gradient_is_forgotten(comm, value, steps=6, bad_step=2):
     return finite_steps
 
 
+def delayed_unscales_each_gradient_with_its_own_scale(comm, steps=6, bad_step=2):
+    """With fp16 AMP's GradScaler, delayed must apply at step t+1 exactly the unscaled
+    average that a plain all-reduce would have applied at step t, although the scale
+    changes in between: growth_interval=1 doubles it after every applied step, and an
+    overflow at `bad_step` (seen, and skipped, at bad_step + 1) halves it.
+    Returns the scale of every step."""
+    strategy = sync.create("delayed", algorithm="ring")
+    model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    strategy.grad_scaler = scaler
+    params = list(model.parameters())
+    previous = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    scales = []
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        x, y = shard(comm, step)
+        poisoned = step == bad_step and comm.rank == 1
+        handle = poison_next_gradient(model.module[2].weight, float("inf")) if poisoned else None
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        if handle is not None:
+            handle.remove()
+        scales.append(scaler.get_scale())
+        # What a plain all-reduce step would hand the optimizer: this step's average, unscaled.
+        unscaled = torch.cat([p.grad.reshape(-1) for p in params]) / scaler.get_scale()
+        collectives.all_reduce(unscaled, op="avg", algorithm="ring", comm=comm)
+        strategy.after_backward(model.module)
+        scaler.unscale_(optimizer)  # what scaler.step applies (or skips, if not finite)
+        applied = torch.cat([p.grad.reshape(-1) for p in params])
+        if sync.finite([previous]):
+            torch.testing.assert_close(applied, previous, rtol=1e-12, atol=0,
+                                       msg=lambda m: f"step {step}: {m}")
+        else:
+            assert not sync.finite([applied]), f"step {step}: the overflow was not passed on"
+        scaler.step(optimizer)
+        scaler.update()
+        strategy.after_step(model.module, step)
+        previous = unscaled
+    strategy.close()
+    return scales
+
+
 def gossip_keeps_the_mean(comm):
     strategy = sync.create("gossip")
     model = mlp()

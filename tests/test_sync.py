@@ -5,6 +5,7 @@ import pytest
 
 from checks_sync import (DATA, GRADIENT_STRATEGIES, async_avg_does_not_wait_for_a_slow_rank,
                          byte_counts_match_formulas, delayed_is_one_step_late,
+                         delayed_unscales_each_gradient_with_its_own_scale,
                          every_strategy_learns_mnist, gossip_keeps_the_mean,
                          local_sgd_h1_equals_allreduce, one_bad_gradient_is_forgotten)
 from collectives import sync
@@ -43,6 +44,14 @@ def test_one_non_finite_gradient_step_leaves_no_trace_in_any_strategy(value):
         if seen != [expected] * 2:
             wrong[name] = seen
     assert not wrong, f"finite at steps 1-6, per rank: {wrong}"
+
+
+@pytest.mark.timeout(120)
+def test_delayed_unscales_each_gradient_with_the_scale_it_was_computed_with():
+    scales, _ = run_world(delayed_unscales_each_gradient_with_its_own_scale, 2, timeout=100)
+    # The check covered a scale that grew and one that fell between two steps.
+    changes = [after / before for before, after in zip(scales, scales[1:])]
+    assert 2.0 in changes and 0.5 in changes, scales
 
 
 @pytest.mark.timeout(120)

@@ -29,7 +29,9 @@ has seen it. So a strategy that keeps gradients from one step to the next (error
 feedback, a warm start) must take a step into that state only when the step's
 *reduced* values are all finite (`finite` below), or one inf would stay in its state
 and make every later step non-finite. The reduced values are the same on every rank,
-so every rank makes the same decision without asking the others.
+so every rank makes the same decision without asking the others. A strategy that
+applies a gradient at a later step also needs the loss scale it carries
+(`gradient_scale`): fp16 AMP changes the scale between steps.
 
 A strategy talks only through the collectives and the transport (`self.comm`), and the
 transport's counters say what it sent. Register a new one with `@register("name")`.
@@ -51,6 +53,18 @@ class SyncStrategy:
     forward_buffer_sync = True
     period = 1
     warmup_steps = 0
+    # fp16 AMP: the torch.amp.GradScaler whose loss scale multiplies the gradients the
+    # strategy sees (set by the training loop; None when gradients arrive unscaled).
+    grad_scaler = None
+
+    def gradient_scale(self) -> float:
+        """The factor the gradients of this step carry: the GradScaler's scale, else 1.
+
+        Read during backward or in after_backward, before the loop's scaler.step()
+        unscales and scaler.update() changes the scale for the next step. Only a loop
+        that unscales after after_backward (as the trainer does) should set grad_scaler.
+        """
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.get_scale()
 
     def setup(self, model: torch.nn.Module, comm: Transport) -> None:
         """Called once, after parameters have been broadcast from rank 0."""
