@@ -80,6 +80,90 @@ def delayed_is_one_step_late(comm):
     return "ok"
 
 
+def poison_next_gradient(parameter, value):
+    """Make `parameter`'s gradient in the next backward all `value` (inf or NaN), as an
+    fp16 overflow leaves it; returns the hook's handle, to remove after that backward."""
+    return parameter.register_hook(lambda grad: torch.full_like(grad, value))
+
+
+# The strategies that reduce gradients; a gradient step goes into the state of some.
+GRADIENT_STRATEGIES = ("allreduce", "fp16", "bf16", "topk", "powersgd", "delayed")
+
+
+def one_bad_gradient_is_forgotten(comm, value, steps=6, bad_step=2):
+    """{strategy: [are the reduced gradients finite?] at each step} on this rank.
+
+    At `bad_step` rank 1's gradient of one weight matrix is all `value`; every other
+    gradient is clean. As the trainer's --skip-nonfinite does, a step whose gradients are
+    not finite on some rank is skipped on every rank.
+    """
+    finite_steps = {}
+    for name in GRADIENT_STRATEGIES:
+        strategy = sync.create(name, algorithm="ring")
+        model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        finite_steps[name], applied = [], 0
+        for step in range(1, steps + 1):
+            optimizer.zero_grad()
+            x, y = shard(comm, step)
+            poisoned = step == bad_step and comm.rank == 1
+            handle = poison_next_gradient(model.module[2].weight, value) if poisoned else None
+            F.cross_entropy(model(x), y).backward()
+            if handle is not None:
+                handle.remove()
+            strategy.after_backward(model.module)
+            grads = [p.grad for p in model.parameters()]
+            finite_steps[name].append(sync.finite(grads))
+            if collectives.all_finite(grads, comm):
+                optimizer.step()
+                applied += 1
+                strategy.after_step(model.module, applied)
+        strategy.close()
+    return finite_steps
+
+
+def delayed_unscales_each_gradient_with_its_own_scale(comm, steps=6, bad_step=2):
+    """With fp16 AMP's GradScaler, delayed must apply at step t+1 exactly the unscaled
+    average that a plain all-reduce would have applied at step t, although the scale
+    changes in between: growth_interval=1 doubles it after every applied step, and an
+    overflow at `bad_step` (seen, and skipped, at bad_step + 1) halves it.
+    Returns the scale of every step."""
+    strategy = sync.create("delayed", algorithm="ring")
+    model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
+    strategy.grad_scaler = scaler
+    params = list(model.parameters())
+    previous = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)
+    scales = []
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        x, y = shard(comm, step)
+        poisoned = step == bad_step and comm.rank == 1
+        handle = poison_next_gradient(model.module[2].weight, float("inf")) if poisoned else None
+        scaler.scale(F.cross_entropy(model(x), y)).backward()
+        if handle is not None:
+            handle.remove()
+        scales.append(scaler.get_scale())
+        # What a plain all-reduce step would hand the optimizer: this step's average, unscaled.
+        unscaled = torch.cat([p.grad.reshape(-1) for p in params]) / scaler.get_scale()
+        collectives.all_reduce(unscaled, op="avg", algorithm="ring", comm=comm)
+        strategy.after_backward(model.module)
+        scaler.unscale_(optimizer)  # what scaler.step applies (or skips, if not finite)
+        applied = torch.cat([p.grad.reshape(-1) for p in params])
+        if sync.finite([previous]):
+            torch.testing.assert_close(applied, previous, rtol=1e-12, atol=0,
+                                       msg=lambda m: f"step {step}: {m}")
+        else:
+            assert not sync.finite([applied]), f"step {step}: the overflow was not passed on"
+        scaler.step(optimizer)
+        scaler.update()
+        strategy.after_step(model.module, step)
+        previous = unscaled
+    strategy.close()
+    return scales
+
+
 def gossip_keeps_the_mean(comm):
     strategy = sync.create("gossip")
     model = mlp()

@@ -3,9 +3,11 @@ import os
 
 import pytest
 
-from checks_sync import (DATA, async_avg_does_not_wait_for_a_slow_rank, byte_counts_match_formulas,
-                         delayed_is_one_step_late, every_strategy_learns_mnist,
-                         gossip_keeps_the_mean, local_sgd_h1_equals_allreduce)
+from checks_sync import (DATA, GRADIENT_STRATEGIES, async_avg_does_not_wait_for_a_slow_rank,
+                         byte_counts_match_formulas, delayed_is_one_step_late,
+                         delayed_unscales_each_gradient_with_its_own_scale,
+                         every_strategy_learns_mnist, gossip_keeps_the_mean,
+                         local_sgd_h1_equals_allreduce, one_bad_gradient_is_forgotten)
 from collectives import sync
 from distributed import run_world
 
@@ -24,6 +26,32 @@ def test_local_sgd_with_period_1_equals_allreduce_for_plain_sgd():
 @pytest.mark.timeout(120)
 def test_delayed_applies_each_average_one_step_late():
     assert run_world(delayed_is_one_step_late, 2, timeout=100) == ["ok"] * 2
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_one_non_finite_gradient_step_leaves_no_trace_in_any_strategy(value):
+    # Rank 1's gradient is non-finite at step 2 only, and that step is skipped. Every
+    # rank must see the bad step as non-finite (so all skip it together), and every
+    # later step finite: no strategy may keep the inf or NaN in its state (powersgd's Q
+    # and error, topk's residual). delayed applies step 2's gradient at step 3.
+    per_rank = run_world(one_bad_gradient_is_forgotten, 2, (value,), timeout=100)
+    wrong = {}
+    for name in GRADIENT_STRATEGIES:
+        bad = 3 if name == "delayed" else 2
+        expected = [step != bad for step in range(1, 7)]
+        seen = [finite[name] for finite in per_rank]
+        if seen != [expected] * 2:
+            wrong[name] = seen
+    assert not wrong, f"finite at steps 1-6, per rank: {wrong}"
+
+
+@pytest.mark.timeout(120)
+def test_delayed_unscales_each_gradient_with_the_scale_it_was_computed_with():
+    scales, _ = run_world(delayed_unscales_each_gradient_with_its_own_scale, 2, timeout=100)
+    # The check covered a scale that grew and one that fell between two steps.
+    changes = [after / before for before, after in zip(scales, scales[1:])]
+    assert 2.0 in changes and 0.5 in changes, scales
 
 
 @pytest.mark.timeout(120)

@@ -1,5 +1,6 @@
 """The trainer as users run it: every launch mode, resume, eval-only, bad input."""
 import json
+import math
 import os
 import subprocess
 import sys
@@ -131,15 +132,72 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path
     assert os.listdir(tmp_path) == [], "something was written before the arguments were valid"
 
 
+def assert_every_step_applied(saved, steps):
+    """The optimizer stepped (SGD keeps a momentum buffer only after its first step)
+    and nothing it holds is non-finite."""
+    buffers = [state["momentum_buffer"] for state in saved["optimizer"]["state"].values()]
+    assert buffers, "the optimizer never stepped"
+    for name, tensor in [*saved["model"].items(), *enumerate(buffers)]:
+        assert torch.isfinite(tensor.float()).all(), f"{name} is not finite"
+    if saved["scaler"]:  # fp16: GradScaler counts the steps applied since its last skip
+        assert saved["scaler"]["_growth_tracker"] == steps, saved["scaler"]
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("amp", ["bf16", "fp16"])
 def test_mixed_precision_runs(amp, tmp_path):
     # One step and one test batch: autocast on the CPU is slow (16-bit convolutions)
     out = run(trainer("--train-samples", "4", "--test-samples", "4", "--batch-size", "4",
-                      "--epochs", "1", "--amp", amp, "--metrics", "m.jsonl"), tmp_path)
+                      "--epochs", "1", "--amp", amp, "--metrics", "m.jsonl",
+                      "--checkpoint-dir", "ckpt"), tmp_path)
     (record,) = read_metrics(tmp_path / "m.jsonl")
     assert record["train_loss"] == record["train_loss"], "loss is NaN"  # NaN != NaN
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
+    assert_every_step_applied(saved, steps=1)
+    if amp == "fp16":
+        assert saved["scaler"]["scale"] == 2.0 ** 16, "the loss scale fell: a step was skipped"
     assert "done in" in out.stdout
+
+
+# The trainer, with the gradient of the first step's output replaced by inf: what an fp16
+# overflow in backward does. GradScaler skips that step and halves its scale.
+OVERFLOW_IN_FIRST_BACKWARD = """
+import sys
+import torch
+import trainer.train as train
+
+build_model = train.build_model
+
+
+def build_model_whose_first_backward_overflows(*args):
+    model = build_model(*args)
+
+    def overflow_once(module, inputs, output):
+        handle.remove()
+        output.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+
+    handle = model.register_forward_hook(overflow_once)
+    return model
+
+
+train.build_model = build_model_whose_first_backward_overflows
+train.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("sync", ["allreduce", "powersgd", "topk"])
+def test_fp16_training_recovers_from_an_overflow(sync, tmp_path):
+    # Three steps: the first overflows and is skipped, the next two must be applied at the
+    # halved scale, as they are with allreduce. A strategy that kept the inf in its state
+    # (error feedback, warm start) would overflow at every step: scale falling, no error.
+    run([sys.executable, "-c", OVERFLOW_IN_FIRST_BACKWARD, "--train-samples", "6",
+         "--test-samples", "2", "--batch-size", "2", "--epochs", "1", "--amp", "fp16",
+         "--sync", sync, "--checkpoint-dir", "ckpt"], tmp_path)
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
+    scale = saved["scaler"]["scale"]
+    assert scale == 2.0 ** 15, f"loss scale 2^{math.log2(scale):g} after 3 steps, not 2^15"
+    assert_every_step_applied(saved, steps=2)
 
 
 @pytest.mark.timeout(300)

@@ -109,6 +109,8 @@ def train(argv=None) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+    if not torch_peer:  # a strategy that keeps gradients across steps needs their scale
+        strategy.grad_scaler = scaler
     sampler = DistributedSampler(split.train, num_replicas=world, rank=rank, shuffle=True,
                                  seed=args.seed)
     loader = DataLoader(split.train, batch_size=args.batch_size, sampler=sampler,

@@ -15,9 +15,9 @@ an `@register("name")` class: nothing else to edit (docs/writing_a_sync_strategy
 import importlib
 import pkgutil
 
-from .base import SyncStrategy, available, create, register
+from .base import SyncStrategy, available, create, finite, register
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["SyncStrategy", "available", "create", "register"]
+__all__ = ["SyncStrategy", "available", "create", "finite", "register"]

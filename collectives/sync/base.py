@@ -23,12 +23,22 @@ The training loop calls the moments in this order, every optimizer step:
     forward, backward (reduce_bucket for each bucket), after_backward, optimizer.step(),
     after_step; and close() once at the end.
 
+A step whose gradients are not finite (an fp16 overflow, a bad batch) is skipped by
+the loop (GradScaler, or the trainer's --skip-nonfinite), but only after the strategy
+has seen it. So a strategy that keeps gradients from one step to the next (error
+feedback, a warm start) must take a step into that state only when the step's
+*reduced* values are all finite (`finite` below), or one inf would stay in its state
+and make every later step non-finite. The reduced values are the same on every rank,
+so every rank makes the same decision without asking the others. A strategy that
+applies a gradient at a later step also needs the loss scale it carries
+(`gradient_scale`): fp16 AMP changes the scale between steps.
+
 A strategy talks only through the collectives and the transport (`self.comm`), and the
 transport's counters say what it sent. Register a new one with `@register("name")`.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Type
+from typing import Callable, Dict, Iterable, Type
 
 import torch
 
@@ -43,6 +53,18 @@ class SyncStrategy:
     forward_buffer_sync = True
     period = 1
     warmup_steps = 0
+    # fp16 AMP: the torch.amp.GradScaler whose loss scale multiplies the gradients the
+    # strategy sees (set by the training loop; None when gradients arrive unscaled).
+    grad_scaler = None
+
+    def gradient_scale(self) -> float:
+        """The factor the gradients of this step carry: the GradScaler's scale, else 1.
+
+        Read during backward or in after_backward, before the loop's scaler.step()
+        unscales and scaler.update() changes the scale for the next step. Only a loop
+        that unscales after after_backward (as the trainer does) should set grad_scaler.
+        """
+        return 1.0 if self.grad_scaler is None else self.grad_scaler.get_scale()
 
     def setup(self, model: torch.nn.Module, comm: Transport) -> None:
         """Called once, after parameters have been broadcast from rank 0."""
@@ -59,6 +81,16 @@ class SyncStrategy:
 
     def close(self) -> None:
         """Training is over: wait for (or cancel) anything still in flight."""
+
+
+def finite(tensors: Iterable[torch.Tensor]) -> bool:
+    """True when every tensor holds only finite numbers (no inf, no NaN).
+
+    Call it on reduced values, which every rank holds identically: then every rank gets
+    the same answer with no collective of its own. A non-finite number on any one rank
+    survives the reduction (inf + x is inf or NaN, NaN + x is NaN), so it is seen by all.
+    """
+    return all(bool(torch.isfinite(t).all()) for t in tensors)
 
 
 _REGISTRY: Dict[str, Type[SyncStrategy]] = {}

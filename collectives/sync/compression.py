@@ -10,7 +10,8 @@ reports no accuracy loss on ResNets.
 `topk`. Communicates: per bucket, the k = ratio x numel entries of largest magnitude
 (k values and k int32 indices) from every rank, gathered with the ring all-gather; the
 rest is kept locally as error feedback and added to the next step's gradient, so
-nothing is lost, only delayed. Literature: Lin et al., "Deep Gradient Compression"
+nothing is lost, only delayed. A bucket whose gathered values are not finite (an fp16
+overflow) keeps the residual it had. Literature: Lin et al., "Deep Gradient Compression"
 (ICLR 2018) and Stich et al., "Sparsified SGD with Memory" (NeurIPS 2018) report
 accuracy matching dense SGD at 0.1-1 % density with error feedback.
 """
@@ -22,7 +23,7 @@ import torch
 
 from .. import api
 from .allreduce import AllReduce
-from .base import register
+from .base import finite, register
 
 
 class _CastAllReduce(AllReduce):
@@ -61,8 +62,8 @@ class TopK(AllReduce):
         k = max(1, int(self.ratio * flat.numel()))
         _, indices = corrected.abs().topk(k, sorted=False)
         values = corrected[indices]
-        error.copy_(corrected)
-        error[indices] = 0.0  # sent now, so no longer owed
+        unsent = corrected
+        unsent[indices] = 0.0  # sent now, so no longer owed
         # k float32 values and k int32 indices travel together as 2k 32-bit words.
         packet = torch.cat([values.float().view(torch.int32), indices.to(torch.int32)])
         gathered = torch.empty(n * 2 * k, dtype=torch.int32, device=flat.device)
@@ -71,3 +72,9 @@ class TopK(AllReduce):
         for part in gathered.view(n, 2, k):
             flat.index_add_(0, part[1].long(), part[0].view(torch.float32).to(flat.dtype))
         flat.div_(n)
+        # Owe the unsent rest only after a finite step. Top-k ranks NaN and inf above
+        # every number, so a non-finite entry on any rank is among those sent and the
+        # gathered bucket is non-finite on every rank: all ranks keep their old residual
+        # (the loop or GradScaler skips the step), instead of owing infs for many steps.
+        if finite([flat]):
+            error.copy_(unsent)

@@ -6,6 +6,14 @@ backward, so communication hides behind a whole step, not just part of backward.
 optimizer at step t+1 applies the average of step t's gradients (zero at step 1): a
 one-step staleness.
 
+With fp16 AMP the GradScaler's scale may change between the two steps (halved after an
+overflow, doubled after a run of good ones), so each gradient travels with the scale it
+was computed with and is rescaled to the scale the loop will unscale it with. An
+overflow in step t's gradient is seen at step t+1, when that gradient is applied (and
+skipped): knowing sooner would mean waiting for the other ranks during step t, which is
+what this strategy exists to avoid. Nothing non-finite stays behind: each step's
+gradient is used once.
+
 Literature: the "delayed gradient" / one-step-stale schemes studied by Zheng et al.,
 "Asynchronous SGD with Delay Compensation" (ICML 2017) and used by PipeDream (Harlap et
 al., 2018) report accuracy close to synchronous SGD for a delay of one step at
@@ -26,7 +34,7 @@ class Delayed(SyncStrategy):
 
     def __init__(self, algorithm: str = "auto"):
         self.algorithm = algorithm
-        self.in_flight = None   # (flat gradients being averaged, done event)
+        self.in_flight = None   # (flat gradients being averaged, their scale, done event)
 
     def setup(self, model, comm) -> None:
         super().setup(model, comm)
@@ -34,21 +42,27 @@ class Delayed(SyncStrategy):
         self.worker = CommWorker()
 
     def _wait_in_flight(self):
-        flat, done = self.in_flight
+        flat, scale, done = self.in_flight
         done.wait()
         if self.worker.error is not None:
             raise self.worker.error
-        return flat
+        return flat, scale
 
     def after_backward(self, model: torch.nn.Module) -> None:
         params = [p for p in model.parameters() if p.requires_grad]
         current = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
                              for p in params])
-        previous = self._wait_in_flight() if self.in_flight else torch.zeros_like(current)
+        scale = self.gradient_scale()  # what this step's gradients are multiplied by
+        previous, previous_scale = (self._wait_in_flight() if self.in_flight
+                                    else (torch.zeros_like(current), scale))
         done = self.worker.submit(lambda: api.all_reduce(
             current, op="avg", algorithm=self.algorithm, comm=self.channel, check=False),
             "last step's gradients")
-        self.in_flight = (current, done)
+        self.in_flight = (current, scale, done)
+        if previous_scale != scale:
+            # The loop unscales with this step's scale: re-express last step's gradient
+            # in it, so that unscaling yields exactly what last step would have applied.
+            previous.mul_(scale / previous_scale)
         offset = 0
         for p in params:  # the optimizer applies last step's average
             p.grad = previous[offset:offset + p.numel()].view_as(p).clone()

@@ -12,7 +12,9 @@ all-reduced as they are. One step, as in the paper:
 
 Q is kept for the next step (warm start: one power-iteration step per training step
 tracks the gradient's top-r subspace). All P's travel in one all-reduce and all Q's in
-another. Q starts from the same seeded random matrix on every rank.
+another. Q starts from the same seeded random matrix on every rank. A step whose reduced
+gradients are not finite (an fp16 overflow) is passed on for the loop to skip, and
+leaves Q and the error as they were.
 
 Literature: Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient
 Compression for Distributed Optimization" (NeurIPS 2019): rank 2 reaches the test
@@ -25,7 +27,7 @@ from typing import List
 import torch
 
 from .. import api
-from .base import SyncStrategy, register
+from .base import SyncStrategy, finite, register
 
 
 @register("powersgd")
@@ -64,14 +66,21 @@ class PowerSGD(SyncStrategy):
                     for i in self.compressed}
         ps = {i: matrices[i] @ self.qs[i] for i in self.compressed}
         self._mean(list(ps.values()))
+        qs = {}
         for i in self.compressed:
             ps[i] = torch.linalg.qr(ps[i]).Q  # orthonormal columns
-            self.qs[i] = matrices[i].T @ ps[i]
-        self._mean(list(self.qs.values()))
+            qs[i] = matrices[i].T @ ps[i]
+        self._mean(list(qs.values()))
+        approximations = {i: ps[i] @ qs[i].T for i in self.compressed}
         for i in self.compressed:
-            approximation = ps[i] @ self.qs[i].T
-            self.errors[i] = matrices[i] - approximation
-            grads[i].copy_(approximation.view_as(grads[i]))
+            grads[i].copy_(approximations[i].view_as(grads[i]))
         for p, g in zip(self.params, grads):
             if p.grad is None:
                 p.grad = g
+        # Keep Q and the error only from a finite step. An inf in any rank's gradient
+        # makes the reduced P and Q non-finite on every rank; kept, it would make every
+        # later step non-finite. The gradients stay as they are, so that the loop (or
+        # GradScaler) sees the overflow and skips this step.
+        if finite(grads):
+            self.qs = qs
+            self.errors = {i: matrices[i] - approximations[i] for i in self.compressed}
