@@ -136,13 +136,15 @@ def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, r
 
 
 def _run_reduction(comm: Transport, function, flat: torch.Tensor, op: str, *args) -> None:
-    """Run an algorithm for sum/max/min; avg is sum followed by one division."""
-    function(comm, flat, "sum" if op == "avg" else op, *args)
-    if op == "avg":
-        if flat.is_floating_point():
-            flat.div_(comm.world_size)
-        else:
-            flat.floor_divide_(comm.world_size)  # integer average rounds down
+    """Run an algorithm for sum/max/min/...; avg is a sum arranged so that it cannot
+    overflow where the average fits (algorithms/average.py)."""
+    if op != "avg":
+        function(comm, flat, op, *args)
+        return
+
+    def sum_in_place(buffer: torch.Tensor) -> None:  # a float32 or int64 copy, perhaps
+        function(comm, buffer, "sum", *args)
+    algorithms.average(flat, comm.world_size, sum_in_place)
 
 
 def _pick(collective: str, algorithm: str, tensor: torch.Tensor, comm: Transport) -> str:
@@ -158,7 +160,9 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
                comm: Optional[Transport] = None, check: bool = True) -> torch.Tensor:
     """Reduce `tensor` over all ranks, in place; every rank gets the bitwise same result.
 
-    op: "sum", "avg", "max", "min" or "product" (integer avg rounds down).
+    op: "sum", "avg", "max", "min", "product", "band", "bor" or "bxor". avg never
+        overflows where the average fits (a float16 or an int8 average is taken in a
+        wider type); integer avg rounds down, as //.
     algorithm: "auto", "ring", "halving-doubling", "tree", "naive", "hierarchical" or
         "native".
     """

@@ -6,6 +6,7 @@ reference itself. Returns a digest of every result so the caller can check that 
 ranks ended bitwise identical.
 """
 import hashlib
+import math
 import sys
 
 import numpy as np
@@ -100,6 +101,107 @@ def check_product(comm):
                 else:
                     assert torch.equal(tensor, expected), (algorithm, numel)
                 digests[(algorithm, str(dtype), numel)] = digest(tensor)
+    return digests
+
+
+# every dtype the API accepts, for the checks at each dtype's limits
+ALL_DTYPES = [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64, torch.float16,
+              torch.bfloat16, torch.float32, torch.float64]
+
+
+def near_limits(rank, world_size, numel, dtype, op):
+    """Values near `dtype`'s limits whose sum over `world_size` ranks overflows the dtype
+    while their average fits; for op="sum", divided by the world size so the sum fits.
+
+    Integers: any bit pattern (so half are beyond half the range), and the first two
+    elements the largest and the smallest value on every rank. Floats: half to all of
+    the largest finite value, either sign, and the first two elements +-that value
+    (float32 and float64 divide in place: 8 units of roundoff below it, the margin
+    algorithms/average.py promises for worlds of up to 6 ranks).
+    """
+    generator = torch.Generator().manual_seed(7 + 1000 * rank + numel)
+    if dtype.is_floating_point:
+        top = torch.finfo(dtype).max
+        if dtype in (torch.float32, torch.float64):
+            top *= 1 - 8 * torch.finfo(dtype).eps
+        size = 0.5 + 0.5 * torch.rand(numel, generator=generator, dtype=torch.float64)
+        sign = torch.randint(0, 2, (numel,), generator=generator) * 2 - 1
+        values = sign * size * top
+        values[:2] = torch.tensor([top, -top], dtype=torch.float64)
+        if op == "sum":  # 0.9: room for the roundings of the division and the sum
+            values *= 0.9 / world_size
+        return values.to(dtype)
+    width = torch.empty(0, dtype=dtype).element_size()
+    values = torch.randint(0, 256, (numel * width,), generator=generator,
+                           dtype=torch.uint8).view(dtype).clone()
+    values[:2] = torch.tensor([torch.iinfo(dtype).max, torch.iinfo(dtype).min], dtype=dtype)
+    if op == "sum":  # toward zero, so that n of them stay within the limits
+        values = values.div(world_size, rounding_mode="trunc")
+    return values
+
+
+def near_limits_reference(world_size, numel, dtype, op):
+    """(expected, allowed error, unit) for `near_limits` inputs: integers exactly, as
+    Python integers (integer avg rounds down, as //); floats in float64, in units of a
+    power of two near the dtype's largest value (so that float64 itself cannot
+    overflow), within the bound `reference` allows."""
+    inputs = [near_limits(r, world_size, numel, dtype, op) for r in range(world_size)]
+    if not dtype.is_floating_point:
+        totals = [sum(column) for column in zip(*(t.tolist() for t in inputs))]
+        return [t // world_size if op == "avg" else t for t in totals], None, None
+    unit = 2.0 ** (math.frexp(torch.finfo(dtype).max)[1] - 1)
+    scaled = np.stack([t.double().numpy() / unit for t in inputs])
+    u = UNIT_ROUNDOFF[dtype]
+    total = scaled.sum(0)
+    bound = (world_size + 1) * u * np.abs(scaled).sum(0)
+    if op == "avg":
+        return total / world_size, bound / world_size + u * np.abs(total / world_size), unit
+    return total, bound, unit
+
+
+def gloo_refuses(comm, collective, algorithm, tensor):
+    """gloo's own all-reduce refuses int16 ("Invalid scalar type"): True where a sum of
+    `tensor` would run on it (algorithm "native", or "auto" choosing it)."""
+    if tensor.dtype != torch.int16 or comm.backend != "gloo":
+        return False
+    if algorithm == "auto":
+        algorithm = algorithms.AUTO_CHOICE[collective](
+            tensor.numel() * tensor.element_size(), comm.world_size, comm.name, comm.topology)
+    return algorithm == "native"
+
+
+def check_near_limits(comm):
+    """Every all-reduce and reduce-scatter algorithm x every dtype, sum and avg, on
+    values whose sum overflows the dtype while their average fits (`near_limits`).
+    Returns the all-reduce results' digests, for the caller to compare across ranks."""
+    n, rank = comm.world_size, comm.rank
+    digests = {}
+    for collective in ("all_reduce", "reduce_scatter"):
+        numel = 13 if collective == "all_reduce" else 5 * n  # uneven chunks; n outputs of 5
+        mine = slice(None) if collective == "all_reduce" else slice(rank * 5, rank * 5 + 5)
+        for algorithm in algorithms.names(collective):
+            for dtype in ALL_DTYPES:
+                for op in ("sum", "avg"):
+                    tensor = near_limits(rank, n, numel, dtype, op)
+                    if op == "sum" and gloo_refuses(comm, collective, algorithm, tensor):
+                        continue
+                    what = f"{collective} {algorithm} {op} {dtype} near its limits"
+                    if collective == "all_reduce":
+                        result = collectives.all_reduce(tensor, op, algorithm, comm=comm)
+                    else:
+                        result = collectives.reduce_scatter(torch.empty(5, dtype=dtype),
+                                                            tensor, op, algorithm, comm=comm)
+                    expected, allowed, unit = near_limits_reference(n, numel, dtype, op)
+                    if unit is None:
+                        assert result.tolist() == expected[mine], (
+                            f"{what}: got {result.tolist()}, expected {expected[mine]}")
+                    else:
+                        error = np.abs(result.double().numpy() / unit - expected[mine])
+                        assert (error <= allowed[mine]).all(), (
+                            f"{what}: got {(result.double() / unit).tolist()} x {unit:g}, "
+                            f"expected {expected[mine].tolist()}")
+                    if collective == "all_reduce":  # a reduce-scatter's chunk is per rank
+                        digests[(algorithm, str(dtype), op)] = digest(result)
     return digests
 
 

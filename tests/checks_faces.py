@@ -45,6 +45,8 @@ def check_horovod_collectives(comm):
     _close(hvd.allreduce(integers, op=hvd.Sum, prescale_factor=0.5),
            torch.full((5,), sum(int(7 * (r + 1) * 0.5) for r in range(size)),
                       dtype=torch.int32), "integer prescale in float64, truncated")
+    near_top = torch.full((3,), 30000, dtype=torch.int16)  # sums past int16's 32767
+    _close(hvd.allreduce(near_top, op=hvd.Average), near_top, "int16 average near its top")
     in_place = mine.clone()
     assert hvd.allreduce_(in_place, op=hvd.Sum) is in_place
     _close(in_place, sum(everyone), "allreduce_")

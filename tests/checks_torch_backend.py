@@ -73,6 +73,9 @@ def check_reductions(gloo, rank, size):
     dist.all_reduce(ours, op=dist.ReduceOp.AVG)
     dist.all_reduce(ref, group=gloo)
     same(ours, ref / size, "all_reduce avg")
+    near_top = torch.full((3,), 30000, dtype=torch.int16)  # sums past int16's 32767
+    dist.all_reduce(near_top, op=dist.ReduceOp.AVG)
+    assert near_top.tolist() == [30000] * 3, f"all_reduce avg int16 near its top: {near_top}"
     ours = values(rank)
     dist.all_reduce(ours, op=dist._make_nccl_premul_sum(2.0))
     same(ours, ref * 2, "all_reduce premul_sum")

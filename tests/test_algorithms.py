@@ -1,17 +1,18 @@
-"""Every algorithm, op, dtype and world size 1-6 against numpy, on gloo.
+"""Every algorithm, op, dtype and world size 1-6 against numpy, on gloo; and every dtype
+near its limits, where a sum overflows and an average must not.
 
 Ranks of one host talk through shared memory by default; the gloo-over-TCP path
 (what ranks on different hosts use) runs the same checks at 2 and 3 ranks."""
 import pytest
 
-from checks_algorithms import (check_all_reduce, check_broadcast_gather_scatter, check_product,
-                               check_ring_segments)
+from checks_algorithms import (check_all_reduce, check_broadcast_gather_scatter,
+                               check_near_limits, check_product, check_ring_segments)
 from distributed import run_world
 
 
 def run_checks(comm):
     return (check_all_reduce(comm), check_ring_segments(comm),
-            check_broadcast_gather_scatter(comm), check_product(comm))
+            check_broadcast_gather_scatter(comm), check_product(comm), check_near_limits(comm))
 
 
 @pytest.mark.timeout(300)
@@ -21,7 +22,8 @@ def test_every_algorithm_matches_numpy_and_ranks_agree_bitwise(world_size, shm):
     results = run_world(run_checks, world_size, timeout=280, shm=shm)
     all_reduce_digests = results[0][0]
     assert len(all_reduce_digests) > 100
-    for rank, (all_reduce, segments, reduce_scatter, product) in enumerate(results):
+    for rank, (all_reduce, segments, reduce_scatter, product, limits) in enumerate(results):
         assert all_reduce == all_reduce_digests, f"rank {rank} differs from rank 0"
         assert segments == results[0][1], f"rank {rank} differs from rank 0 (segmented ring)"
         assert product == results[0][3], f"rank {rank} differs from rank 0 (product)"
+        assert limits == results[0][4], f"rank {rank} differs from rank 0 (near limits)"

@@ -7,12 +7,14 @@
     pairwise.py           all-to-all by pairwise exchange
     hierarchical.py       inside each host, then across hosts, then inside (topology)
     native.py             the backend's own collectives, for comparison
+    average.py            avg as a sum that cannot overflow, around any of the above
     auto.py               which one to use for a given size and world
 
 The tables below map the names users pass (`algorithm="ring"`) to functions. All
 functions take (comm, flat, ...) where `flat` is a 1-D contiguous tensor, in place.
 """
 from . import auto, halving_doubling, hierarchical, naive, native, pairwise, ring, tree
+from .average import average
 
 ALL_REDUCE = {
     "ring": ring.all_reduce,
