@@ -4,7 +4,7 @@
 #   ./launch_mpi.sh -np 4 [--hosts a,b] [--threads T] [--dry-run] -- python -m trainer ...
 #   ./launch_mpi.sh --help
 #
-# The work is done by collectives/mpi_launcher.py, run with the Python that has
+# The work is done by collectives/launch/mpirun.py, run with the Python that has
 # collectives installed ($PYTHON, else python3 on PATH).
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-exec env PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -m collectives.mpi_launcher "$@"
+exec env PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}" "${PYTHON:-python3}" -m collectives.launch.mpirun "$@"

@@ -9,7 +9,8 @@ Layers, each calling only the one below:
 """
 from .api import (all_finite, all_gather, all_reduce, all_reduce_coalesced, all_to_all,
                   broadcast, broadcast_coalesced, reduce_scatter)
-from .bootstrap import BACKENDS, abort, destroy, get_comm, init, set_comm
+from .world import BACKENDS, destroy, get_comm, init, set_comm
+from .launch.exit import abort
 from .launch import LaunchError, LaunchInfo, detect_launch
 from .transport import PeerError, Transport
 from .ddp import DistributedDataParallel

@@ -29,7 +29,7 @@ import torch
 
 from . import algorithms
 from . import trace
-from .bootstrap import get_comm
+from .world import get_comm
 from .transport import REDUCE_OPS, PeerError, Transport
 
 DEBUG = os.environ.get("COLLECTIVES_DEBUG", "").upper() == "DETAIL"

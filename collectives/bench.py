@@ -417,14 +417,14 @@ def main(argv=None) -> int:
                 f"{info.world_size} ranks: drop --nproc under a launcher")
     if args.nproc and args.nproc > 1 and not launched:
         if args.backend == "mpi":  # let the matching mpirun start the ranks
-            from .mpi_launcher import mpirun_command
+            from .launch.mpirun import mpirun_command
             argv = list(sys.argv[1:] if argv is None else argv)
             cut = argv.index("--nproc")
             rest = argv[:cut] + argv[cut + 2:]
             command, env = mpirun_command(args.nproc, [sys.executable, "-m", "collectives.bench",
                                                        *rest])
             os.execvpe(command[0], command, env)
-        from .spawn import spawn
+        from .launch.spawn import spawn
         spawn(rank_main, args.nproc, args)
         return 0
     rank_main(args)

@@ -66,7 +66,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import trace
-from .bootstrap import stop_at_exit
+from .launch.exit import stop_at_exit
 from .transport import Transport
 
 MiB = 1 << 20
@@ -118,7 +118,7 @@ class CommWorker:
     """A thread that runs communication jobs one at a time, in submission order.
 
     Each worker is stopped (and joined, briefly) before the process closes the
-    communicators at exit: see bootstrap.stop_at_exit.
+    communicators at exit: see launch/exit.py.
     """
 
     def __init__(self):

@@ -27,7 +27,7 @@ What happens underneath, in order:
 Which ranks: a script that made a torch.distributed process group itself
 (`dist.init_process_group(...)`, as every torch DDP tutorial does) needs no
 `collectives.init()`: the wrapper adopts torch's default group, or the group passed as
-`process_group=` (bootstrap.adopt_torch_group).
+`process_group=` (world.adopt_torch_group).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from .api import broadcast_coalesced, gather_rows
-from .bootstrap import adopt_torch_group, get_comm
+from .world import adopt_torch_group, get_comm
 from .bucketer import Bucketer
 from .sync import SyncStrategy, create
 from .transport import Transport

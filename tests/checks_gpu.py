@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 import collectives
 from collectives import algorithms
-from collectives.bootstrap import adopt_torch_group
+from collectives.world import adopt_torch_group
 from checks_algorithms import check_all_reduce, make_input
 from checks_ddp import batch, make_model, state
 

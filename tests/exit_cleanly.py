@@ -70,7 +70,7 @@ FAILURE_SIGNS = {"init-fail": "rank 1 failed during init on purpose",
 SIGNAL_REPORTS = (re.compile(r"exitcode\s*:\s*-(\d+)"), re.compile(r"\(signal (\d+)\)"),
                   re.compile(r"exited on signal (\d+)"))
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGKILL)
-EXIT_NOTE = "still waiting on a peer"  # bootstrap's note when it leaves the communicator open
+EXIT_NOTE = "still waiting on a peer"  # the exit hook's note (launch/exit.py) when it leaves the communicator open
 
 
 # --- the rank program ----------------------------------------------------------------------
@@ -150,7 +150,7 @@ def _stall_with_a_reduction_in_flight(comm) -> None:
     import torch
     import collectives
     from collectives import horovod as hvd
-    from collectives.bootstrap import EXIT_GRACE_SECONDS
+    from collectives.launch.exit import EXIT_GRACE_SECONDS
     pids = torch.zeros(comm.world_size, dtype=torch.int64)
     pids[comm.rank] = os.getpid()
     collectives.all_reduce(pids, op="sum")  # every rank's pid
@@ -261,7 +261,7 @@ def command(launcher: str, case: str, nprocs: int) -> list:
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                 str(nprocs), "--no-python", *rank, "gloo"]
     if launcher.startswith("mpirun"):
-        from collectives.mpi_launcher import find_mpirun
+        from collectives.launch.mpirun import find_mpirun
         return [find_mpirun()[0], "-np", str(nprocs), *rank, launcher.split("-")[1]]
     return [*rank, "gloo"]
 

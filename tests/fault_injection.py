@@ -207,7 +207,7 @@ except collectives.PeerError as error:
 
 def case_mpi_stall_under_mpirun():
     """The mpi backend under real mpirun: a hung rank, the others time out and exit 1."""
-    from collectives.mpi_launcher import find_mpirun
+    from collectives.launch.mpirun import find_mpirun
     started = time.time()
     with tempfile.TemporaryDirectory() as folder:
         report = os.path.join(folder, "errors.txt")
@@ -263,7 +263,7 @@ def case_checkpoint_killed_during_saves(runs=10):
 
 def case_resume_after_kill():
     """Kill a 2-rank training run during epoch 2; resume; compare with a straight run."""
-    from collectives.mpi_launcher import find_mpirun
+    from collectives.launch.mpirun import find_mpirun
     mpirun = find_mpirun()[0]
     flags = ["--train-samples", "128", "--test-samples", "32", "--batch-size", "16",
              "--epochs", "2", "--backend", "gloo"]

@@ -34,7 +34,7 @@ import tempfile
 import xml.etree.ElementTree as ElementTree
 from collections import defaultdict
 
-from collectives.mpi_launcher import mpirun_command
+from collectives.launch.mpirun import mpirun_command
 
 SHIM = "from collectives.horovod import *  # noqa: F401,F403\n"
 

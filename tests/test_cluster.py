@@ -17,7 +17,7 @@ import pytest
 from collectives.cluster import ClusterSpec, Network
 from collectives.cluster.job import start_mpirun, start_ranks
 from collectives.cluster.network import STATE_ROOT
-from collectives.mpi_launcher import find_mpirun
+from collectives.launch.mpirun import find_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from checks_ddp import compare_with_torch_ddp, train_ours
-from collectives.mpi_launcher import find_mpirun
+from collectives.launch.mpirun import find_mpirun
 from distributed import run_world, run_world_collecting_errors
 
 

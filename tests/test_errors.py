@@ -54,7 +54,7 @@ def test_errors_from_code_are_still_exceptions():
 
 @pytest.mark.timeout(120)
 def test_bench_nproc_that_disagrees_with_the_launcher(tmp_path):
-    from collectives.mpi_launcher import find_mpirun
+    from collectives.launch.mpirun import find_mpirun
     result = subprocess.run([find_mpirun()[0], "-np", "2", sys.executable, "-m",
                              "collectives.bench", "--nproc", "3", "--json", "out.jsonl"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=100)

@@ -5,7 +5,7 @@ import weakref
 
 import pytest
 
-from collectives import bootstrap
+from collectives.launch import exit as launch_exit
 from collectives.bucketer import CommWorker
 from exit_cleanly import CLEAN_CASES, LAUNCHERS, RANK_TIMEOUT, cases_for, run_job
 
@@ -61,19 +61,17 @@ class _Communicator:
 def test_the_exit_hook_closes_only_once_no_thread_is_inside(monkeypatch):
     """In one process: a comm thread still inside a job after the grace keeps the
     communicator open; once none is, the hook closes it."""
-    monkeypatch.setattr(bootstrap, "EXIT_GRACE_SECONDS", 0.2)
-    monkeypatch.setattr(bootstrap, "_background", weakref.WeakSet())
+    monkeypatch.setattr(launch_exit, "EXIT_GRACE_SECONDS", 0.2)
+    monkeypatch.setattr(launch_exit, "_background", weakref.WeakSet())
     peer_arrives = threading.Event()
     worker = CommWorker()  # registers itself with the exit hook
     worker.submit(lambda: peer_arrives.wait(20))  # a reduction waiting on its peer
     stalled = _Communicator()
-    monkeypatch.setattr(bootstrap, "_default", stalled)
-    bootstrap._close_at_exit()
+    launch_exit._close_at_exit(stalled.close)
     assert not stalled.closed, "closed under a running thread"
     peer_arrives.set()
     worker.join(10)
     assert not worker.thread.is_alive()
     finished = _Communicator()
-    monkeypatch.setattr(bootstrap, "_default", finished)
-    bootstrap._close_at_exit()
+    launch_exit._close_at_exit(finished.close)
     assert finished.closed

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import checks_faces as checks
-from collectives.mpi_launcher import find_mpirun
-from collectives.spawn import free_port
+from collectives.launch.mpirun import find_mpirun
+from collectives.launch.spawn import free_port
 from distributed import run_world, run_world_collecting_errors
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from collectives.mpi_launcher import mpirun_command
+from collectives.launch.mpirun import mpirun_command
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

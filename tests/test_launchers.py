@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from collectives.mpi_launcher import find_mpirun
+from collectives.launch.mpirun import find_mpirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.join(ROOT, "tests")

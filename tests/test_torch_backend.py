@@ -14,8 +14,8 @@ import time
 
 import pytest
 
-from collectives.mpi_launcher import find_mpirun
-from collectives.spawn import free_port
+from collectives.launch.mpirun import find_mpirun
+from collectives.launch.spawn import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ("check_reductions", "check_movement", "check_point_to_point", "check_subgroups",

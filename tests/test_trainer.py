@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from collectives.mpi_launcher import find_mpirun
-from collectives.spawn import free_port
+from collectives.launch.mpirun import find_mpirun
+from collectives.launch.spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16", "--epochs", "1"]

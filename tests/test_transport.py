@@ -93,7 +93,7 @@ def duplicate_a_subgroup_then_make_a_group_of_everyone(comm):
 
     import torch.distributed as dist
 
-    from collectives.bootstrap import adopt_torch_group
+    from collectives.world import adopt_torch_group
     pair = dist.new_group([0, 1])  # every rank calls new_group, as torch asks
     got = None
     if comm.rank in (0, 1):

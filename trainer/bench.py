@@ -266,7 +266,7 @@ def main(argv=None):
     if launched:  # torchrun, mpirun or the emulated cluster started the ranks
         rank_main(args)
         return 0
-    from collectives.spawn import spawn
+    from collectives.launch.spawn import spawn
     spawn(rank_main, args.nproc, args)
     return 0
 

@@ -36,7 +36,7 @@ import tempfile
 import time
 from typing import Dict, List
 
-from collectives.mpi_launcher import mpirun_command
+from collectives.launch.mpirun import mpirun_command
 
 from . import torch_peers
 

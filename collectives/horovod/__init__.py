@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-from .. import bootstrap
-from ..bootstrap import get_comm
+from .. import world
+from ..world import get_comm
 from .optimizer import (Compression, DistributedOptimizer, broadcast_object,
                         broadcast_optimizer_state, broadcast_parameters, allgather_object)
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
@@ -60,17 +60,17 @@ def init(comm=None, process_sets=None, *, backend: str = "auto", timeout=None) -
     if dist.is_available() and dist.is_initialized():
         get_comm()  # the script's own torch.distributed group is adopted
         return
-    bootstrap.init(backend=backend, timeout=timeout)
+    world.init(backend=backend, timeout=timeout)
 
 
 def is_initialized() -> bool:
-    return bootstrap._default is not None
+    return world._default is not None
 
 
 def shutdown() -> None:
     """Stop the engine and close the communicator; init() may be called again."""
     forget_engines()
-    bootstrap.destroy()
+    world.destroy()
 
 
 def rank() -> int:

@@ -14,7 +14,7 @@ from typing import List, Optional, Sequence
 import torch
 
 from .. import api
-from ..bootstrap import get_comm
+from ..world import get_comm
 from .engine import ALGORITHMS, OPS, Call, Engine, Rows
 
 Average, Sum, Adasum, Min, Max, Product = "avg", "sum", "adasum", "min", "max", "product"

@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from ..bootstrap import get_comm
+from ..world import get_comm
 from ..bucketer import Bucketer
 from .ops import (Adasum, Average, allgather, allreduce_job, broadcast_async_, engine,
                   global_process_set, synchronize)

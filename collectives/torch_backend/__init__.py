@@ -96,13 +96,13 @@ def _default_mpi_group(timeout: timedelta) -> dist.ProcessGroup:
     """The default group of init_process_group("mpi"): torch passes rank = size = -1
     and no store (MPI knows them), so the group is built here from MPI's world, with
     a TCP store of its own for whatever in torch needs one."""
-    from ..bootstrap import _rendezvous_address
+    from ..launch.rendezvous import rendezvous_address
     from ..launch import detect_launch
     from ..transport.mpi import mpi
     algorithm = chosen_algorithms()
     world = mpi().COMM_WORLD
     rank, size = world.Get_rank(), world.Get_size()
-    host, port = _rendezvous_address(detect_launch(mpi_world_size=size))
+    host, port = rendezvous_address(detect_launch(mpi_world_size=size))
     store = dist.TCPStore(host, port, size, rank == 0, timeout)
     comm, p2p = mpi_channels([], timeout)
     return _group_of(CollectivesBackend(rank, size, comm, p2p, timeout, algorithm, name="mpi"),

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from .. import algorithms, api
-from ..bootstrap import EXIT_GRACE_SECONDS
+from ..launch.exit import EXIT_GRACE_SECONDS
 from ..transport import Transport
 from .work import Work, Worker
 

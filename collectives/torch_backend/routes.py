@@ -12,7 +12,7 @@ Two routes build them:
 
     gloo (backend "collectives"):  comm = gloo on an instance of ours, made from the
         store torch hands the backend, with shared memory between ranks of one host
-        (bootstrap.with_routes); p2p = a second gloo instance, whose send/recv take tags.
+        (world.with_routes); p2p = a second gloo instance, whose send/recv take tags.
     mpi (backend "mpi" after use_for_mpi()):  comm = MPI through mpi4py over a
         communicator of the group's ranks; p2p = a duplicate of that communicator, with
         MPI's own tags.
@@ -27,7 +27,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from ..bootstrap import with_routes
+from ..world import with_routes
 from ..transport import PeerError, Transport
 from ..transport.mpi import MpiTransport, as_buffer, mpi, wait_until
 from ..transport.torch_dist import TorchDistTransport

@@ -21,21 +21,8 @@ from datetime import timedelta
 
 import torch
 
+from ..launch.mpi import mpi
 from .base import Handle, PeerError, Transport
-
-_MPI = None
-
-
-def mpi():
-    """The mpi4py MPI module, imported on first use (importing it initialises MPI)."""
-    global _MPI
-    if _MPI is None:
-        try:
-            from mpi4py import MPI
-        except ImportError:
-            raise RuntimeError("backend 'mpi' needs mpi4py: pip install 'collectives[mpi]'") from None
-        _MPI = MPI
-    return _MPI
 
 
 def mpi_is_cuda_aware() -> bool:

@@ -117,7 +117,7 @@ class TorchDistTransport(Transport):
         # nccl's batch_isend_irecv addresses peers by their rank in the default group
         self.global_ranks = (list(range(world_size)) if group is None or store is not None
                              else dist.get_process_group_ranks(group))
-        # A group the user's script made (adopted, see bootstrap.adopt_torch_group) is
+        # A group the user's script made (adopted, see world.adopt_torch_group) is
         # theirs to destroy; one made by init() is ours.
         self.owns_group = owns_group
 

@@ -6,7 +6,7 @@ and believes it is rank 0 of 1. This module asks mpi4py which library it loaded,
 picks an `mpirun` whose `--version` names the same implementation, looking first next
 to the running Python (where the `mpich` wheel puts it), then on PATH.
 
-    python -m collectives.mpi_launcher -np 4 -- python -m trainer
+    python -m collectives.launch.mpirun -np 4 -- python -m trainer
     ./launch_mpi.sh -np 4 -- python -m trainer          (the same, as a script)
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import sysconfig
 from typing import List, Optional, Sequence, Tuple
 
-from .launch import split_command
+from .environment import split_command
 
 
 def mpi_library_flavor() -> Tuple[str, str]:

@@ -1,0 +1,125 @@
+"""Ending a job well: background threads first, then the communicator; one failing rank
+ends an MPI job at once.
+
+A script need not call `collectives.destroy()`. At exit, `install_exit_hooks` has the
+interpreter:
+
+1. stop every background communication thread that registered (`stop_at_exit`: the
+   bucketer's, async strategies'), giving them a few seconds to finish the round they
+   are in with peers that are exiting too;
+2. close the default communicator, unless one of those threads is still inside a
+   collective (a stalled peer, a slow link): closing would free what it is using (with
+   shared memory, unmap the segments it reads: a SIGSEGV instead of the script's exit
+   status). The thread is a daemon, so the process exits all the same.
+
+And under mpirun, an uncaught exception on one rank calls MPI_Abort (as `python -m
+mpi4py` does), so mpirun ends every rank instead of leaving the peers to time out.
+torchrun needs nothing of the kind: it ends the other workers when one fails.
+
+This file knows nothing of transports: `collectives.world` hands it the function that
+closes the communicator and the question whether there is a job to abort.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import sys
+import time
+import weakref
+from typing import Callable
+
+EXIT_GRACE_SECONDS = 5.0  # at exit, the longest wait for background threads to finish
+ABORT_GRACE_SECONDS = 0.5  # before MPI_Abort, time for the traceback to reach mpiexec
+
+_background = weakref.WeakSet()  # threads of ours to stop before the communicator closes
+_installed = False
+
+
+def stop_at_exit(worker) -> None:
+    """Have `worker` (with stop(), join(seconds) and its `thread`) stopped before the
+    exit closes the communicator. Background communication threads register here."""
+    _background.add(worker)
+
+
+def _stop_background(seconds: float) -> bool:
+    """Stop every registered worker, give them `seconds` in all to finish, and say
+    whether any is still running.
+
+    A job still running after that talks to a peer that has not come; it is left to its
+    daemon thread (its own timeout ends it), since exiting must not wait on a peer.
+    """
+    workers = list(_background)
+    for worker in workers:
+        worker.stop()
+    deadline = time.monotonic() + seconds
+    for worker in workers:
+        worker.join(max(0.0, deadline - time.monotonic()))
+    return any(worker.thread.is_alive() for worker in workers)
+
+
+def _close_at_exit(close: Callable[[], None]) -> None:
+    """Run `close` (the default communicator's) while the interpreter is still whole.
+
+    Left to the interpreter's own shutdown, gloo's threads are destroyed while they
+    still run and the C++ runtime aborts the process ("terminate called without an
+    active exception", SIGABRT) after the script has finished: a job that did its work
+    reports failure. Closing is local to this rank (nothing is sent), so it never waits
+    on a peer, alive or gone. Runs after a normal end, sys.exit(), an uncaught exception
+    and KeyboardInterrupt alike; not after os._exit(). Nothing is left in /dev/shm
+    either way: its files are removed as soon as every rank has mapped them.
+    """
+    try:
+        if _stop_background(EXIT_GRACE_SECONDS):
+            print(f"collectives: at exit, communication is still waiting on a peer after "
+                  f"{EXIT_GRACE_SECONDS:g} s; the communicator is left open under it and "
+                  "goes with the process", file=sys.stderr)
+            return
+        close()
+    except Exception as error:  # exiting anyway: say so, never turn an exit into a crash
+        print(f"collectives: closing the communicator at exit failed: {error}",
+              file=sys.stderr)
+
+
+def _abort_mpi_job_on_uncaught(previous_hook, in_a_job: Callable[[], bool]):
+    """An excepthook: print as before, then, inside an MPI job of several ranks, abort it.
+
+    Once MPI is initialised (the mpi backend, or gloo whose rendezvous went over MPI),
+    MPI_Finalize at exit can wait for the other ranks while they wait for this one
+    until their timeout.
+    """
+    def hook(kind, error, trace):
+        previous_hook(kind, error, trace)
+        mpi = sys.modules.get("mpi4py.MPI")
+        if (in_a_job() and mpi is not None and mpi.Is_initialized()
+                and not mpi.Is_finalized()):
+            sys.stderr.flush()
+            # mpiexec forwards output through its proxies and may drop what is still on
+            # the way when an abort tears the job down: give the traceback a moment.
+            time.sleep(ABORT_GRACE_SECONDS)
+            abort(130 if issubclass(kind, KeyboardInterrupt) else 1)
+    return hook
+
+
+def install_exit_hooks(close: Callable[[], None], in_a_job: Callable[[], bool]) -> None:
+    """Once per process: `close` at exit (after the background threads), and MPI_Abort
+    on an uncaught exception while `in_a_job()` says there are peers."""
+    global _installed
+    if not _installed:
+        atexit.register(_close_at_exit, close)
+        sys.excepthook = _abort_mpi_job_on_uncaught(sys.excepthook, in_a_job)
+        _installed = True
+
+
+def abort(code: int = 1) -> None:
+    """End the job now, after a fatal communication error.
+
+    Under MPI this is MPI_Abort: mpirun then ends every rank, a hung one included (a
+    plain non-zero exit would leave mpirun waiting for it). Otherwise this process exits;
+    torchrun ends the other workers when one fails.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
+        mpi.COMM_WORLD.Abort(code)
+    os._exit(code)
