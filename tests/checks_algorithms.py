@@ -159,17 +159,6 @@ def near_limits_reference(world_size, numel, dtype, op):
     return total, bound, unit
 
 
-def gloo_refuses(comm, collective, algorithm, tensor):
-    """gloo's own all-reduce refuses int16 ("Invalid scalar type"): True where a sum of
-    `tensor` would run on it (algorithm "native", or "auto" choosing it)."""
-    if tensor.dtype != torch.int16 or comm.backend != "gloo":
-        return False
-    if algorithm == "auto":
-        algorithm = algorithms.AUTO_CHOICE[collective](
-            tensor.numel() * tensor.element_size(), comm.world_size, comm.name, comm.topology)
-    return algorithm == "native"
-
-
 def check_near_limits(comm):
     """Every all-reduce and reduce-scatter algorithm x every dtype, sum and avg, on
     values whose sum overflows the dtype while their average fits (`near_limits`).
@@ -183,8 +172,6 @@ def check_near_limits(comm):
             for dtype in ALL_DTYPES:
                 for op in ("sum", "avg"):
                     tensor = near_limits(rank, n, numel, dtype, op)
-                    if op == "sum" and gloo_refuses(comm, collective, algorithm, tensor):
-                        continue
                     what = f"{collective} {algorithm} {op} {dtype} near its limits"
                     if collective == "all_reduce":
                         result = collectives.all_reduce(tensor, op, algorithm, comm=comm)

@@ -188,6 +188,14 @@ class TorchDistTransport(Transport):
         if op == "avg" and self.backend == "nccl" and tensor.is_floating_point():
             work = self._all_reduce_work(tensor, dist.ReduceOp.AVG)
             return _TorchHandle(work, "native all_reduce", self.timeout).wait()
+        if self.backend == "gloo" and tensor.dtype == torch.int16:
+            # gloo has no int16 reductions ("Invalid scalar type"). In int32 and back,
+            # every op gives int16's own answer: sums and products wrap modulo 2**16
+            # alike, min/max and the bitwise ops are exact on the sign-extended values.
+            wide = tensor.to(torch.int32)
+            self._native_all_reduce(wide, op)
+            tensor.copy_(wide)
+            return
         work = self._all_reduce_work(tensor, _TORCH_OPS["sum" if op == "avg" else op])
         _TorchHandle(work, "native all_reduce", self.timeout).wait()
         if op == "avg":  # gloo has no AVG: sum, then divide (floor for integers)
