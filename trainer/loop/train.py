@@ -22,10 +22,11 @@ from tqdm import tqdm
 
 import collectives
 from collectives import trace
-from . import checkpoint, data, torch_peers
+from .. import torch_peers
+from ..timing import SentBytes, WaitClock, background_comm_seconds
+from . import checkpoint, data
 from .cli import create_sync, parse_args
 from .models import build_model
-from .timing import SentBytes, WaitClock, background_comm_seconds
 
 
 def fail(message: str) -> None:
