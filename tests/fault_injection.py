@@ -231,7 +231,7 @@ def _mismatch_case(kind, words, debug=False):
 
 def case_checkpoint_killed_during_saves(runs=10):
     """SIGKILL a process that keeps saving checkpoints, at random moments; load after."""
-    code = ("import sys, torch; sys.path.insert(0, {root!r}); from trainer import checkpoint\n"
+    code = ("import sys, torch; sys.path.insert(0, {root!r}); from trainer.loop import checkpoint\n"
             "for version in range(10**6):\n"
             "    checkpoint.save_atomically({{'version': version, 'weights': "
             "torch.full((4_000_000,), float(version))}}, {path!r})\n")
@@ -247,7 +247,7 @@ def case_checkpoint_killed_during_saves(runs=10):
             writer.send_signal(signal.SIGKILL)
             writer.wait()
             started = time.time()
-            from trainer import checkpoint
+            from trainer.loop import checkpoint
             try:
                 state = checkpoint.load(path)
                 ok = bool((state["weights"] == state["version"]).all())

@@ -164,7 +164,7 @@ def test_mixed_precision_runs(amp, tmp_path):
 OVERFLOW_IN_FIRST_BACKWARD = """
 import sys
 import torch
-import trainer.train as train
+import trainer.loop.train as train
 
 build_model = train.build_model
 

@@ -2,4 +2,25 @@
 
     mpirun -np 4 python -m trainer                  # embedded dataset, no files needed
     python -m trainer --help                         # the manual
+
+The loop (trainer/loop/), what `python -m trainer` runs:
+    cli.py          the flags, and the sync strategy they name
+    train.py        the training loop, written as its steps: setup, resume, one epoch,
+                    evaluate, report and save
+    data.py         the embedded dataset, and torchvision's
+    models.py       torchvision ResNets with a stem for small images
+    checkpoint.py   atomic checkpoints holding every random generator's state
+
+The study around it (here), what the loop is measured and compared with:
+    bench.py        `python -m trainer.bench`: throughput of each sync strategy beside
+                    torch's DDP, timed over the same steps
+    compare.py      `python -m trainer.compare`: runs the loop once per strategy, under
+                    any launcher or on the emulated cluster, and tabulates accuracy
+                    against time and bytes
+    torch_peers.py  torch's own DDP and comm hooks, driven like our strategies
+    timing.py       waited-on-communication and bytes sent, measured alike for ours and
+                    torch's
+
+The loop borrows the last two: `--sync ddp*` trains with a torch peer, and its epoch
+line is measured by timing.py, so that its figures and bench's mean the same thing.
 """

@@ -1,4 +1,4 @@
-"""`python -m trainer`: see trainer/cli.py for the flags, or run it with --help."""
-from .train import main
+"""`python -m trainer`: the training loop; see trainer/loop/cli.py for the flags, or --help."""
+from .loop.train import main
 
 main()

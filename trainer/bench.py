@@ -53,7 +53,7 @@ from collectives import sync as sync_registry
 from collectives import trace
 from collectives.launch import add_local_rank_argument
 from . import torch_peers
-from .models import ARCHITECTURES, build_model
+from .loop.models import ARCHITECTURES, build_model
 from .timing import SentBytes, WaitClock, background_comm_seconds
 
 

@@ -5,7 +5,7 @@ import argparse
 
 from collectives import algorithms, sync
 from collectives.launch import add_local_rank_argument
-from . import torch_peers
+from .. import torch_peers
 from .models import ARCHITECTURES
 
 DESCRIPTION = """\

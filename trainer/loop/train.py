@@ -1,0 +1,446 @@
+"""The training loop, written as the steps it takes.
+
+    train(argv)
+      parse_args            the flags (cli.py); a bad one ends the run here, exit 2
+      load_inputs           the train and test splits, and the checkpoint to resume from:
+                            a missing file ends the run before any rank connects
+      connect               the communicator: this rank, the world, the device
+      setup -> Run          model, DDP (ours with a sync strategy, or a torch peer),
+                            optimizer, gradient scaler, sampler and loader, schedule
+      resume                (--resume) weights, optimizer, scaler, schedule, step count and
+                            every random generator, as the checkpoint left them
+      evaluate_checkpoint   (--eval-only) the checkpoint's test accuracy, and stop
+      each epoch:
+        train_one_epoch     one pass over this rank's shard: per optimizer step,
+                            forward_backward for each micro-batch, then optimizer_step
+        evaluate            accuracy over the whole test split, each rank a slice
+        summarise_epoch     the epoch's figures as one record
+        report              rank 0's line, and the record appended to --metrics
+        save_checkpoint     rank 0 writes everything needed to continue
+      finish                close the strategy, merge the trace, the last line
+
+DistributedSampler gives every rank a different shard (reshuffled by set_epoch), the
+model trains with gradients synchronised by the chosen sync strategy, then every rank
+evaluates its own slice of the test split and the counts are summed.
+
+Every rank takes these steps in the same order, so every rank makes the same
+collectives in the same order; and random numbers are drawn in a fixed order from
+seeded generators that the checkpoint keeps, so a resumed run continues bit for bit.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, List, NamedTuple, NoReturn, Tuple
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, Subset
+from torch.utils.data.distributed import DistributedSampler
+from tqdm import tqdm
+
+import collectives
+from collectives import trace
+from .. import torch_peers
+from ..timing import SentBytes, WaitClock, background_comm_seconds
+from . import checkpoint, data
+from .cli import create_sync, parse_args
+from .models import build_model
+
+
+def main(argv=None) -> None:
+    """Run training; a peer that fails ends the job with one line per rank, exit code 1."""
+    try:
+        train(argv)
+    except collectives.PeerError as error:
+        print(f"trainer: error: rank {collectives.get_comm().rank}: {error}", file=sys.stderr)
+        collectives.abort(1)  # under mpirun, ends every rank (a hung one too)
+
+
+def train(argv=None) -> None:
+    """One run, as its steps: set up, resume or evaluate a checkpoint, then the epochs."""
+    args = parse_args(argv)  # a bad flag: argparse's error, exit 2
+    split = load_inputs(args)
+    comm = connect(args)
+    run = setup(args, split, comm)
+    first_epoch = 1
+    if args.resume:
+        saved_epoch = resume(run, args.resume)
+        if args.eval_only:
+            evaluate_checkpoint(run, saved_epoch)
+            collectives.destroy()
+            return
+        first_epoch = saved_epoch + 1
+
+    run.say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with "
+            f"{comm.world_size} rank(s), backend {comm.name}, sync {args.sync}, "
+            f"algorithm {args.algorithm}")
+    started, accuracy = time.perf_counter(), 0.0
+    for epoch in range(first_epoch, args.epochs + 1):
+        trained = train_one_epoch(run, epoch)
+        accuracy, _ = evaluate(run.model, split.test, comm, comm.device, args.batch_size,
+                               args.amp)
+        report(run, summarise_epoch(run, epoch, trained, accuracy))
+        if comm.rank == 0 and args.checkpoint_dir:
+            save_checkpoint(run, epoch)
+        comm.barrier()
+        if reached_stop_at(run, accuracy):
+            break
+    finish(run, started, accuracy)
+    collectives.destroy()
+
+
+# --- setup -----------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What a run trains with, built once by `setup`; `step` advances as it trains."""
+    args: argparse.Namespace
+    split: data.DataSplit
+    comm: Any                      # our communicator: rank, world_size, device, barrier()
+    model: torch.nn.Module         # the bare model: what is evaluated and checkpointed
+    ddp: torch.nn.Module           # the model wrapped: our DDP, or torch's for a peer
+    strategy: Any                  # the sync strategy, ours or a torch peer
+    torch_peer: bool               # --sync ddp*: torch's DDP and comm hook, not ours
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler   # fp16's loss scale; disabled (a no-op) otherwise
+    schedule: Any                  # the learning rate over all steps of all epochs
+    sampler: DistributedSampler    # this rank's shard of the training split
+    loader: DataLoader
+    steps_per_epoch: int           # optimizer steps, each of --accum-steps micro-batches
+    clock: WaitClock               # seconds the training thread waits on communication
+    sent: SentBytes                # bytes this rank has sent
+    step: int = 0                  # optimizer steps applied so far, over all epochs
+
+    def say(self, *args, **kwargs) -> None:
+        """print() on rank 0 only: every rank computes the same line."""
+        if self.comm.rank == 0:
+            print(*args, **kwargs)
+
+
+def fail(message: str) -> NoReturn:
+    """End the run with argparse's kind of error: one line, exit code 2."""
+    print(f"trainer: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def load_inputs(args: argparse.Namespace) -> data.DataSplit:
+    """The dataset's splits, with the --resume checkpoint checked to exist: everything
+    that can be wrong is checked before any rank connects or writes anything."""
+    try:
+        split = data.load(args.dataset, args.data_dir, args.train_samples, args.test_samples)
+    except data.DatasetMissing as error:
+        fail(str(error))
+    if args.resume and not os.path.isfile(args.resume):
+        fail(f"--resume {args.resume}: no such checkpoint file")
+    return split
+
+
+def connect(args: argparse.Namespace):
+    """This rank's communicator, from whatever launcher started it (or none)."""
+    try:
+        return collectives.init(backend=args.backend, timeout=args.timeout, shm=args.shm)
+    except collectives.LaunchError as error:
+        fail(str(error))
+
+
+def seed_everything(seed: int) -> None:
+    """The same seed for torch, numpy and Python on every rank: the same initial weights."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
+def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
+    """The model, wrapped for data parallelism, and all that trains it. Every rank builds
+    them in this order: wrapping and starting a trace are collectives, and the model's
+    initial weights are the seed's first random numbers."""
+    seed_everything(args.seed)
+    if args.trace:  # collective: measures each rank's clock offset to rank 0
+        trace.start(comm, args.trace, level=args.trace_level, recording=False)
+    model = build_model(args.arch, split.channels, split.num_classes, split.image_size)
+    model = model.to(comm.device)
+    strategy = create_sync(args)
+    torch_peer = torch_peers.is_peer(args.sync)
+    ddp = wrap_model(args, model, strategy, comm, torch_peer)
+    clock = WaitClock(model)  # its hooks run after our bucketer's, which takes each gradient
+    sent = SentBytes(comm, torch_peer)
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay)
+    scaler = torch.amp.GradScaler(comm.device.type, enabled=args.amp == "fp16")
+    if not torch_peer:  # a strategy that keeps gradients across steps needs their scale
+        strategy.grad_scaler = scaler
+    sampler, loader = shard_loader(args, split, comm)
+    steps_per_epoch = len(loader) // args.accum_steps
+    return Run(args, split, comm, model, ddp, strategy, torch_peer, optimizer, scaler,
+               lr_schedule(args, optimizer, steps_per_epoch), sampler, loader,
+               steps_per_epoch, clock, sent)
+
+
+def wrap_model(args: argparse.Namespace, model: torch.nn.Module, strategy, comm,
+               torch_peer: bool) -> torch.nn.Module:
+    """The model inside DDP: our DistributedDataParallel driven by the sync strategy, or
+    torch's own DDP and comm hook for a torch peer."""
+    if torch_peer:
+        try:
+            return strategy.wrap(model, bucket_cap_mb=args.bucket_mb, observed=bool(args.trace))
+        except RuntimeError as error:
+            fail(str(error))
+    return collectives.DistributedDataParallel(model, sync=strategy,
+                                               bucket_cap_mb=args.bucket_mb, comm=comm)
+
+
+def shard_loader(args: argparse.Namespace, split: data.DataSplit,
+                 comm) -> Tuple[DistributedSampler, DataLoader]:
+    """This rank's shard of the training split in batches of --batch-size. Every rank's
+    sampler has the same seed, so each epoch's shards are disjoint; the last, short
+    batch is dropped so that every rank takes the same number of steps."""
+    sampler = DistributedSampler(split.train, num_replicas=comm.world_size, rank=comm.rank,
+                                 shuffle=True, seed=args.seed)
+    loader = DataLoader(split.train, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.workers, drop_last=True)
+    if len(loader) < args.accum_steps:
+        fail(f"each rank has {len(sampler)} training images: fewer than --batch-size "
+             f"{args.batch_size} x --accum-steps {args.accum_steps}")
+    return sampler, loader
+
+
+def lr_schedule(args: argparse.Namespace, optimizer: torch.optim.Optimizer,
+                steps_per_epoch: int):
+    """--schedule: constant, or cosine decay to 0 over every step of --epochs."""
+    if args.schedule == "constant":
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda done: 1.0)
+    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer,
+                                                      T_max=args.epochs * steps_per_epoch)
+
+
+# --- resume ----------------------------------------------------------------------------
+
+def resume(run: Run, path: str) -> int:
+    """Continue from a checkpoint: weights, optimizer, loss scale, schedule, step count,
+    and every random generator as it was; returns the epoch the checkpoint ended."""
+    saved = checkpoint.load(path)
+    run.model.load_state_dict(saved["model"])
+    run.optimizer.load_state_dict(saved["optimizer"])
+    run.scaler.load_state_dict(saved["scaler"])
+    run.schedule.load_state_dict(saved["schedule"])
+    run.step = saved["step"]
+    checkpoint.restore_rng_state(saved["rng"])
+    return saved["epoch"]
+
+
+def evaluate_checkpoint(run: Run, epoch: int) -> None:
+    """--eval-only: the resumed checkpoint's test accuracy, printed and appended to
+    --metrics (marked eval_only)."""
+    args = run.args
+    accuracy, _ = evaluate(run.model, run.split.test, run.comm, run.comm.device,
+                           args.batch_size, args.amp)
+    run.say(f"checkpoint {args.resume} (epoch {epoch}): test accuracy {accuracy:.2%}")
+    if run.comm.rank == 0 and args.metrics:
+        with open(args.metrics, "a") as out:
+            out.write(json.dumps({"epoch": epoch, "test_acc": accuracy,
+                                  "eval_only": True}) + "\n")
+
+
+# --- one epoch -------------------------------------------------------------------------
+
+class EpochTrained(NamedTuple):
+    """What one epoch's training measured, read as it ended (before evaluation)."""
+    losses: List[float]     # every micro-batch's loss
+    steps: int              # optimizer steps applied (skipped ones not counted)
+    started: float          # time.perf_counter() as the epoch began
+    train_seconds: float    # its training, evaluation not included
+    sent_bytes: float       # bytes this rank sent
+    busy_seconds: float     # our communication threads' busy time
+
+
+def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
+    """One pass over this rank's shard: each optimizer step is --accum-steps
+    micro-batches, forward and backward, then the step; an incomplete last step is
+    dropped."""
+    args, device = run.args, run.comm.device
+    run.sampler.set_epoch(epoch)  # a new shuffle, the same permutation on every rank
+    sent_before, steps_before = run.sent.read(), run.step
+    busy_before = background_comm_seconds(run.ddp, run.strategy)
+    run.clock.reset()  # seconds the training thread waits on communication, from here
+    started = time.perf_counter()
+    losses = []
+    micro_batches = run.steps_per_epoch * args.accum_steps
+    batches = tqdm(run.loader, desc=f"epoch {epoch}/{args.epochs}", disable=run.comm.rank != 0,
+                   leave=False, mininterval=1.0, dynamic_ncols=True, total=micro_batches)
+    for index, (images, labels) in enumerate(batches):
+        if index >= micro_batches:
+            break  # an incomplete accumulation at the end of the epoch is dropped
+        images, labels = images.to(device), labels.to(device)
+        if index % args.accum_steps == 0:  # a new optimizer step begins
+            step_started = time.perf_counter_ns()
+            trace_only_chosen_steps(run)
+        last_micro = (index + 1) % args.accum_steps == 0
+        losses.append(forward_backward(run, images, labels, synchronise=last_micro))
+        if last_micro and optimizer_step(run, step_started) and run.comm.rank == 0:
+            batches.set_postfix(loss=f"{losses[-1]:.3f}")
+    train_seconds = time.perf_counter() - started
+    return EpochTrained(losses, run.step - steps_before, started, train_seconds,
+                        run.sent.read() - sent_before,
+                        background_comm_seconds(run.ddp, run.strategy) - busy_before)
+
+
+def trace_only_chosen_steps(run: Run) -> None:
+    """With --trace, record the optimizer step about to begin only if --trace-steps
+    names it: a few steady steps, not the whole run."""
+    if run.args.trace:
+        first, last = run.args.trace_steps
+        (trace.resume if first <= run.step + 1 <= last else trace.pause)()
+
+
+def autocast(device: torch.device, amp: str):
+    """--amp: forward in bf16 or fp16 where torch deems it safe, or in fp32 (off)."""
+    if amp == "off":
+        return contextlib.nullcontext()
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def forward_backward(run: Run, images: torch.Tensor, labels: torch.Tensor,
+                     synchronise: bool) -> float:
+    """One micro-batch's forward and backward; its gradients are synchronised only when
+    `synchronise` (the last micro-batch of a step), accumulated locally before that.
+    Returns its loss."""
+    args = run.args
+    with (contextlib.nullcontext() if synchronise else run.ddp.no_sync()):
+        with autocast(run.comm.device, args.amp), trace.span("forward", cat="compute"):
+            # divided so that the accumulated gradient is the mean over the micro-batches
+            loss = F.cross_entropy(run.ddp(images), labels) / args.accum_steps
+        run.clock.backward(run.scaler.scale(loss))
+    return loss.item() * args.accum_steps
+
+
+def optimizer_step(run: Run, step_started: int) -> bool:
+    """After a step's last backward: the strategy's after_backward, the optimizer step,
+    the strategy's after_step. False when --skip-nonfinite skipped the step instead."""
+    args = run.args
+    with run.clock.blocking("after_backward"):
+        run.strategy.after_backward(run.model)
+    if args.skip_nonfinite and not collectives.all_finite(
+            [p.grad for p in run.model.parameters()], run.comm):
+        skip_step(run)
+        return False
+    with trace.span("optimizer", cat="compute"):
+        run.scaler.step(run.optimizer)
+        run.scaler.update()
+        run.schedule.step()
+    run.step += 1
+    with run.clock.blocking("after_step"):  # torch's model averager wants the grads
+        run.strategy.after_step(run.model, run.step)
+    run.optimizer.zero_grad(set_to_none=True)
+    trace.add(f"step {run.step}", "step", step_started, time.perf_counter_ns(),
+              step=run.step, sync=args.sync)
+    return True
+
+
+def skip_step(run: Run) -> None:
+    """--skip-nonfinite: some rank's gradients hold inf or NaN. all_finite gave every rank
+    the same answer, so every rank drops this step's gradients together; an fp16 loss
+    scale is halved, as GradScaler does when it skips a step for an overflow."""
+    run.say(f"warning: step {run.step + 1}: non-finite gradients on some rank; "
+            "skipping this step on every rank", file=sys.stderr)
+    run.optimizer.zero_grad(set_to_none=True)
+    if run.scaler.is_enabled():
+        run.scaler.update(run.scaler.get_scale() * 0.5)
+
+
+# --- evaluate, report, save ------------------------------------------------------------
+
+def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, amp: str):
+    """(accuracy, mean loss) over the whole test split; each rank takes every n-th image."""
+    collectives.broadcast_coalesced(list(model.buffers()), src=0, comm=comm)  # rank 0's BN stats
+    mine = Subset(test_set, range(comm.rank, len(test_set), comm.world_size))
+    totals = torch.zeros(3, dtype=torch.float64)  # correct, count, summed loss
+    model.eval()
+    with torch.no_grad():
+        for images, labels in DataLoader(mine, batch_size=max(batch_size, 128)):
+            images, labels = images.to(device), labels.to(device)
+            with autocast(device, amp):
+                logits = model(images)
+            totals[0] += (logits.argmax(1) == labels).sum().item()
+            totals[1] += labels.numel()
+            totals[2] += F.cross_entropy(logits.float(), labels, reduction="sum").item()
+    model.train()
+    collectives.all_reduce(totals, op="sum", algorithm="auto", comm=comm, check=False)
+    return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / max(totals[1].item(), 1)
+
+
+def summarise_epoch(run: Run, epoch: int, trained: EpochTrained, accuracy: float) -> dict:
+    """The epoch's record (one line of --metrics): the train loss averaged over ranks,
+    throughput, bytes sent, and the shares of time spent communicating."""
+    args, world = run.args, run.comm.world_size
+    train_loss = torch.tensor([float(np.mean(trained.losses))], dtype=torch.float64)
+    collectives.all_reduce(train_loss, op="avg", algorithm="auto", comm=run.comm, check=False)
+    seconds = trained.train_seconds
+    return {"epoch": epoch, "train_loss": train_loss.item(), "test_acc": accuracy,
+            "images_per_s": len(trained.losses) * args.batch_size * world / seconds,
+            "comm_bytes": trained.sent_bytes,
+            "bytes_per_step": trained.sent_bytes / max(trained.steps, 1),
+            "steps": trained.steps,
+            # busy: our comm threads and hooks (torch's threads are not visible)
+            "comm_share": (None if run.torch_peer
+                           else (trained.busy_seconds + run.clock.in_hooks) / seconds),
+            "waited_share": run.clock.waited / seconds,
+            "train_seconds": seconds,
+            "seconds": time.perf_counter() - trained.started}
+
+
+def report(run: Run, record: dict) -> None:
+    """Rank 0 prints the epoch's line and appends its record to --metrics."""
+    args = run.args
+    busy_text = "-" if run.torch_peer else f"{record['comm_share']:.0%}"
+    run.say(f"epoch {record['epoch']}/{args.epochs}: train loss {record['train_loss']:.4f}  "
+            f"test acc {record['test_acc']:.2%}  {record['images_per_s']:.0f} img/s  comm busy "
+            f"{busy_text}, waited {record['waited_share']:.0%} of time, "
+            f"{record['bytes_per_step'] / 2**20:.2f} MiB/step sent  ({record['seconds']:.1f} s)",
+            flush=True)
+    if run.comm.rank == 0 and args.metrics:
+        with open(args.metrics, "a") as out:
+            out.write(json.dumps(record) + "\n")
+
+
+def save_checkpoint(run: Run, epoch: int) -> None:
+    """--checkpoint-dir/checkpoint.pt, written atomically: all that `resume` needs to
+    continue bit for bit, with the flags that made it."""
+    args = run.args
+    checkpoint.save_atomically(
+        {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+         "scaler": run.scaler.state_dict(), "schedule": run.schedule.state_dict(),
+         "epoch": epoch, "step": run.step,
+         "sampler": {"seed": args.seed, "epoch": epoch},
+         "rng": checkpoint.rng_state(), "args": vars(args)},
+        os.path.join(args.checkpoint_dir, "checkpoint.pt"))
+
+
+def reached_stop_at(run: Run, accuracy: float) -> bool:
+    """--stop-at: the accuracy is all-reduced, so every rank decides alike and all stop
+    together; the schedule still spans --epochs."""
+    stop_at = run.args.stop_at
+    if stop_at is not None and accuracy >= stop_at:
+        run.say(f"test accuracy {accuracy:.2%} reached --stop-at {stop_at:.2%}: stopping")
+        return True
+    return False
+
+
+def finish(run: Run, started: float, accuracy: float) -> None:
+    """Close the strategy (its threads), merge the trace, and print the last line."""
+    args = run.args
+    run.strategy.close()
+    if args.trace:
+        merged = trace.finish(run.comm)
+        run.say(f"trace of steps {args.trace_steps[0]}-{args.trace_steps[1]}: {merged} (open "
+                f"it in https://ui.perfetto.dev; `python -m collectives.trace {args.trace}` "
+                "draws it)")
+    run.say(f"done in {time.perf_counter() - started:.1f} s: test accuracy {accuracy:.2%}")
