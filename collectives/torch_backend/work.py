@@ -27,6 +27,11 @@ the same point in every rank's sequence (after A, before whatever was queued beh
 it), so the ranks still agree on the order. Waiting there on an operation that is
 still queued could never end: it raises at once instead.
 
+One rule follows, which torch's hooks keep: chain such a callback before issuing the
+group's next collective. Chained later, it runs nested where A is still running
+(before the later one) and at once on the caller's thread where A has finished (after
+it): the ranks' orders could then differ.
+
 `Work` is ours, not torch's `_create_work_from_future`: a Work built from a failed
 future still returns True from wait() and ignores the timeout, so a dead peer looks
 like success. Ours re-raises the error from wait() and from get_future()'s value, and

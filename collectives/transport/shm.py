@@ -260,10 +260,13 @@ class _Forward(Handle):
 
     def wait(self) -> None:
         relay = self.relay
-        # the sum waits on both neighbours: pieces from the source, free slots from the
-        # rank it goes to; either one's exit must end the wait
-        relay.transport.wait_for(relay, lambda: relay.sent >= relay.size,
-                                 watch=(relay.peer, relay.relay_to.peer))
+        # the sum waits on both neighbours: pieces from the source (until all have come:
+        # then the source may finish and exit, no longer needing us), free slots from the
+        # rank it goes to; an exit of either while we still need it ends the wait
+        relay.transport.wait_for(
+            relay, lambda: relay.sent >= relay.size,
+            watch=lambda: ((relay.relay_to.peer,) if relay.done
+                           else (relay.peer, relay.relay_to.peer)))
 
     def test(self) -> bool:
         self.relay.transport.progress()
@@ -600,15 +603,16 @@ class ShmTransport(Transport):
         return moved
 
     def wait_for(self, message: _Message, finished: Callable[[], bool],
-                 watch: Sequence[int] = ()) -> None:
+                 watch: Optional[Callable[[], Sequence[int]]] = None) -> None:
         """Drive progress until `finished()`; sleep on our bell when nothing moves.
 
-        watch: the ranks whose exit means `finished()` never comes (default the
-        message's peer; a relay's send half waits on its source and its target).
+        watch: the ranks whose exit now means `finished()` never comes, asked afresh at
+        each check (default the message's peer; a relay's send half waits on its
+        source while pieces are due, and on its target).
         """
         timeout = self.timeout.total_seconds()
         deadline = time.monotonic() + timeout
-        watch = watch or (message.peer,)
+        watch = watch or (lambda: (message.peer,))
         while not finished():
             if self.progress():
                 continue
@@ -616,7 +620,7 @@ class ShmTransport(Transport):
                 continue  # a peer filled or freed a slot of ours: try again
             if time.monotonic() > deadline:
                 raise PeerError(f"{message.what} timed out after {timeout:g} s")
-            for peer in watch if self.watch_pids else ():
+            for peer in watch() if self.watch_pids else ():
                 if not _alive(self.pids[peer]):
                     raise PeerError(f"{message.what} failed: rank {peer} "
                                     f"(pid {self.pids[peer]}) has exited")
