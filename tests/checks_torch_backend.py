@@ -329,8 +329,9 @@ def _ddp_hooked(group, hook: str, bucket_cap_mb: float = 25):
     from torch.distributed.algorithms.model_averaging import averagers
     model = DDP(_model(), process_group=group, bucket_cap_mb=bucket_cap_mb)
     averager = None
-    if hook == "post-local-sgd":  # its subgroup on the same backend as `group`
-        backend = "gloo" if group is not None else None
+    if hook == "post-local-sgd":  # its subgroups on the same backend as `group`
+        default = group is None or group is dist.group.WORLD  # under mpi: no gloo at all
+        backend = None if default else "gloo"
         # subgroups of one rank: after the warm-up each steps alone, and the averager
         # brings the replicas together every second step
         subgroup, _ = dist.new_subgroups(group_size=1, backend=backend)
