@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from collectives.algorithms import hierarchical
-from collectives.transport import PeerError
 from distributed import run_world
 
 NUMEL = 8 << 20  # float32: 32 MiB, 8 chunks of 4 MiB
