@@ -1,13 +1,17 @@
 """Per-rank checks: torch's peers (trainer/torch_peers.py) beside our strategies.
 
 Run on spawned gloo ranks by test_study.py. Where the math is the same, ours and
-torch's must end with the same parameters.
+torch's must end with the same parameters, and be measured alike (trainer/timing.py,
+trainer/bench.py).
 """
 import torch
 import torch.nn.functional as F
 
+import collectives
 from checks_sync import mlp, shard, train_mlp
+from collectives import sync
 from trainer import torch_peers
+from trainer.timing import SentBytes
 
 
 def train_peer(comm, name, steps=5, lr=0.1, fixed_batch=False, **options):
@@ -68,3 +72,32 @@ def ours_equal_torch_where_the_math_is_the_same(comm):
     differences["ddp-localsgd replicas after a period"] = max(
         (g - digest).abs().max().item() for g in gathered)
     return differences
+
+
+def bytes_sent_per_step(comm, names=("allreduce", "ddp-collectives"), steps=3):
+    """Each sync trains the checks' MLP (one bucket); returns ({name: bytes this rank
+    sent per step, as the trainer counts them}, the model's bytes). One step of warm-up
+    first: torch's DDP rebuilds its buckets after its first."""
+    sent_per_step = {}
+    for name in names:
+        module = mlp()
+        if torch_peers.is_peer(name):
+            strategy = torch_peers.create(name)
+            model = strategy.wrap(module)
+        else:
+            strategy = sync.create(name)
+            model = collectives.DistributedDataParallel(module, sync=strategy, comm=comm)
+        sent = SentBytes(comm, strategy)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(steps + 1):
+            if step == 1:
+                before = sent.read()
+            x, y = shard(comm, step)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            strategy.after_backward(module)
+            optimizer.step()
+            strategy.after_step(module, step + 1)
+        sent_per_step[name] = (sent.read() - before) / steps
+        strategy.close()
+    return sent_per_step, sum(p.numel() * p.element_size() for p in mlp().parameters())

@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from checks_peers import every_peer_learns, ours_equal_torch_where_the_math_is_the_same
+from checks_peers import (bytes_sent_per_step, every_peer_learns,
+                          ours_equal_torch_where_the_math_is_the_same)
 from distributed import run_world
 from trainer import compare
 from trainer.bench import aligned_warmup
@@ -29,6 +30,16 @@ def test_ours_and_torchs_compute_the_same_where_the_math_is_the_same():
             assert difference < 1e-4, (pair, difference)
         else:
             assert difference == 0.0, (pair, difference)
+
+
+@pytest.mark.timeout(120)
+def test_ddp_on_our_backend_counts_the_bytes_our_transport_sends_as_allreduce_does():
+    """On one host our transport goes through shared memory: no TCP socket sees it.
+    torch's DDP on our backend sends what our allreduce sends, and both are counted:
+    one model's bytes per step (2 ranks, a ring)."""
+    for sent, model_bytes in run_world(bytes_sent_per_step, 2, timeout=100):
+        for name, per_step in sent.items():
+            assert abs(per_step - model_bytes) < 0.05 * model_bytes, (name, sent, model_bytes)
 
 
 def test_warmup_is_aligned_to_whole_periods():

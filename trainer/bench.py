@@ -30,8 +30,10 @@ it measures:
     images_per_s  world_size x batch size / step_ms
     mb_per_step   megabytes this rank sent per step: on the emulated cluster its host's
                   NIC (headers included, divided by the ranks on the host); elsewhere
-                  our transport's counter, or for torch's rows the kernel's count of
-                  this process's TCP bytes
+                  our transport's counter (shared memory and network alike; for
+                  ddp-collectives, the transport under our torch.distributed backend),
+                  or for torch's rows on gloo the kernel's count of this process's
+                  TCP bytes
 
 All variants are built first and timed in alternating rounds, so that slow periods of
 a shared machine hit every variant alike. Times are the slowest rank's; bytes the
@@ -112,7 +114,7 @@ class Variant:
         self.images = torch.randn(args.batch_size, 1, 28, 28)
         self.labels = torch.randint(0, 10, (args.batch_size,))
         self.clock = WaitClock(self.model)
-        self.sent = SentBytes(comm, torch_peers.is_peer(sync_name))
+        self.sent = SentBytes(comm, self.strategy)
         self.period = self.strategy.period
         self.steps_per_round = math.ceil(args.steps / self.period) * self.period
         self.warmup = aligned_warmup(args.warmup, self.period, self.strategy.warmup_steps)

@@ -9,10 +9,13 @@ waited: seconds the training thread could not compute because of communication. 
     tail. Outside backward it is the time spent in the strategy's after_backward and
     after_step moments (PowerSGD's reductions, local SGD's model averaging).
 
-bytes sent: our transports count what they send (`comm.traffic`); torch's
-    collectives are invisible to them, so for those the kernel's own count is read:
-    the bytes every TCP socket of this process has had acknowledged (TCP_INFO), which
-    is what gloo sent. On the emulated cluster the NIC counters count everything.
+bytes sent: what our transports send, by whatever route (TCP or shared memory), they
+    count (`traffic`): our strategies' communicator's, and for ddp-collectives (torch's
+    DDP on our torch.distributed backend) the transport that backend runs on. gloo's
+    collectives (the other torch peers) are invisible to them, so for those the
+    kernel's own count is read: the bytes every TCP socket of this process has had
+    acknowledged (TCP_INFO), which is what gloo sent, over loopback on one host too.
+    On the emulated cluster the NIC counters count everything.
 """
 from __future__ import annotations
 
@@ -27,6 +30,7 @@ import torch
 
 import collectives
 from collectives import cluster, trace
+from .torch_peers import TorchPeer
 
 _TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in struct tcp_info
 
@@ -101,20 +105,26 @@ def tcp_bytes_sent() -> Optional[int]:
 
 class SentBytes:
     """Bytes this rank has sent so far: its host's NIC on the emulated cluster (shared
-    by the ranks of the host), else our transport's counter, or for torch's DDP the
-    kernel's count for this process's TCP sockets."""
+    by the ranks of the host), else the counter of the transport of ours that carries
+    the sync's collectives, or for torch's DDP on gloo the kernel's count for this
+    process's TCP sockets.
 
-    def __init__(self, comm, torch_peer: bool):
-        self.comm, self.torch_peer = comm, torch_peer
+    strategy: our sync strategy (its collectives run on `comm`) or a torch peer
+    (trainer/torch_peers.py: its `traffic` once wrapped, None on gloo)."""
+
+    def __init__(self, comm, strategy):
+        self.comm, self.strategy = comm, strategy
         self.ranks_on_host = collectives.detect_launch().local_world_size or 1
 
     def read(self) -> float:
         nic = cluster.link_bytes()
         if nic is not None:
             return nic["sent"] / self.ranks_on_host
-        if self.torch_peer:
-            return tcp_bytes_sent() or 0
-        return self.comm.traffic.bytes_sent
+        if not isinstance(self.strategy, TorchPeer):
+            return self.comm.traffic.bytes_sent
+        if self.strategy.traffic is not None:  # ddp-collectives: our backend's transport
+            return self.strategy.traffic.bytes_sent
+        return tcp_bytes_sent() or 0
 
 
 def background_comm_seconds(ddp, strategy) -> float:

@@ -35,7 +35,7 @@ Where torch's computation differs from ours, by design of each library:
 from __future__ import annotations
 
 import time
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -44,6 +44,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers
 
 from collectives import trace
+from collectives.transport.base import Traffic
 
 # peer name -> the name of our strategy that computes the same thing
 OURS = {"ddp": "allreduce", "ddp-collectives": "allreduce", "ddp-fp16": "fp16", "ddp-bf16": "bf16",
@@ -71,6 +72,10 @@ class TorchPeer:
         # torch's PowerSGD hook runs plain all-reduce for its first 2 steps.
         self.warmup_steps = {"ddp-localsgd": warmup_steps, "ddp-powersgd": 2}.get(name, 0)
         self.averager = None
+        # Where this peer's collectives run on our backend (ddp-collectives), the counter
+        # of its transport: every byte it sends, by shared memory or by network. None
+        # for gloo's peers, whose bytes only the kernel sees (trainer/timing.py).
+        self.traffic: Optional[Traffic] = None
 
     def wrap(self, model: torch.nn.Module, bucket_cap_mb: float = 25.0,
              observed: bool = False) -> torch.nn.Module:
@@ -90,6 +95,7 @@ class TorchPeer:
             from collectives import torch_backend
             torch_backend.register()
             group = dist.new_group(backend=torch_backend.NAME)
+            self.traffic = _transport_traffic(group)
         wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
                                                             process_group=group)
         state, hook = group, default_hooks.allreduce_hook if observed else None
@@ -139,6 +145,12 @@ class TorchPeer:
 
     def close(self) -> None:
         """Nothing in flight: every torch collective here is waited on inside the step."""
+
+
+def _transport_traffic(group: dist.ProcessGroup) -> Traffic:
+    """The traffic counter of the transport our backend runs `group`'s collectives on."""
+    backend = group._get_backend(torch.device("cpu"))  # the CollectivesBackend itself
+    return backend.comm.traffic
 
 
 def is_peer(name: str) -> bool:

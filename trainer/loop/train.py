@@ -171,7 +171,7 @@ def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
     torch_peer = torch_peers.is_peer(args.sync)
     ddp = wrap_model(args, model, strategy, comm, torch_peer)
     clock = WaitClock(model)  # its hooks run after our bucketer's, which takes each gradient
-    sent = SentBytes(comm, torch_peer)
+    sent = SentBytes(comm, strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     scaler = torch.amp.GradScaler(comm.device.type, enabled=args.amp == "fp16")
