@@ -4,13 +4,17 @@ Run on spawned gloo ranks by test_study.py. Where the math is the same, ours and
 torch's must end with the same parameters, and be measured alike (trainer/timing.py,
 trainer/bench.py).
 """
+import argparse
+import threading
+import time
+
 import torch
 import torch.nn.functional as F
 
 import collectives
 from checks_sync import mlp, shard, train_mlp
 from collectives import sync
-from trainer import torch_peers
+from trainer import bench, torch_peers
 from trainer.timing import SentBytes
 
 
@@ -101,3 +105,53 @@ def bytes_sent_per_step(comm, names=("allreduce", "ddp-collectives"), steps=3):
         sent_per_step[name] = (sent.read() - before) / steps
         strategy.close()
     return sent_per_step, sum(p.numel() * p.element_size() for p in mlp().parameters())
+
+
+class SlowWorker:
+    """Makes a strategy's communication thread slow (each job sleeps first, as on a slow
+    network) and counts the jobs it has been given and not yet finished."""
+
+    def __init__(self, worker, seconds: float):
+        self.unfinished, self.lock = 0, threading.Lock()
+        submit = worker.submit
+
+        def slow_submit(job, name="communication", **trace_args):
+            with self.lock:
+                self.unfinished += 1
+
+            def slow_job():
+                try:
+                    time.sleep(seconds)
+                    job()
+                finally:
+                    with self.lock:
+                        self.unfinished -= 1
+            return submit(slow_job, name, **trace_args)
+        worker.submit = slow_submit
+
+
+def background_when_the_window_closes(comm, name):
+    """trainer.bench's variant `name` (one that communicates in the background), warmed
+    up and timed for one round on a slow communication thread. Returns (jobs unfinished
+    as its compute-only sample starts, the bytes its window counted, the bytes sent from
+    before its first timed step to that sample's start, the bytes sent from that
+    sample's end until all had settled)."""
+    args = argparse.Namespace(trace=None, trace_steps=0, model="resnet18", bucket_mb=25.0,
+                              algorithm="auto", batch_size=2, steps=2, warmup=1)
+    variant = bench.Variant(comm, name, args)
+    slow = SlowWorker(variant.strategy.worker, seconds=0.3)
+    variant.warm_up()
+    seen = {}
+    compute_only_step = variant.compute_only_step
+
+    def observed_compute_only_step():
+        seen.update(unfinished=slow.unfinished, started=variant.sent.read())
+        compute_only_step()  # (its forward broadcasts BatchNorm's buffers: not counted)
+        seen.update(ended=variant.sent.read())
+    variant.compute_only_step = observed_compute_only_step
+    before = variant.sent.read()
+    variant.round(comm)
+    time.sleep(1.0)  # whatever was still in flight has finished by now
+    after = variant.sent.read() - seen["ended"]
+    variant.strategy.close()
+    return seen["unfinished"], variant.sent_bytes, seen["started"] - before, after

@@ -6,8 +6,8 @@ import sys
 
 import pytest
 
-from checks_peers import (bytes_sent_per_step, every_peer_learns,
-                          ours_equal_torch_where_the_math_is_the_same)
+from checks_peers import (background_when_the_window_closes, bytes_sent_per_step,
+                          every_peer_learns, ours_equal_torch_where_the_math_is_the_same)
 from distributed import run_world
 from trainer import compare
 from trainer.bench import aligned_warmup
@@ -40,6 +40,18 @@ def test_ddp_on_our_backend_counts_the_bytes_our_transport_sends_as_allreduce_do
     for sent, model_bytes in run_world(bytes_sent_per_step, 2, timeout=100):
         for name, per_step in sent.items():
             assert abs(per_step - model_bytes) < 0.05 * model_bytes, (name, sent, model_bytes)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["delayed", "async-avg"])
+def test_bench_drains_background_communication_before_a_window_closes(name):
+    """With a slow communication thread, a background strategy's round of trainer.bench
+    ends with nothing in flight: its compute-only sample overlaps no communication, and
+    its window counted every byte its steps sent."""
+    for unfinished, counted, sent, sent_later in run_world(
+            background_when_the_window_closes, 2, args=(name,), timeout=100):
+        assert unfinished == 0
+        assert sent > 0 and counted == sent and sent_later == 0, (counted, sent, sent_later)
 
 
 def test_warmup_is_aligned_to_whole_periods():

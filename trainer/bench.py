@@ -14,11 +14,16 @@ it measures:
     step_ms       the mean training step: forward, backward with communication,
                   optimizer, and the strategy's moments. A periodic strategy
                   (local-sgd, ddp-localsgd) is timed over whole periods only, so its
-                  averaging steps are in the mean: `events` counts them
-    compute_ms    the same step with no communication at all (no_sync(), no moments)
+                  averaging steps are in the mean: `events` counts them. A round's
+                  last step ends when the communication it left running in the
+                  background (delayed, async-avg) has finished, so every round's
+                  window holds all that its steps sent, and nothing of another's
+    compute_ms    the same step with no communication at all (no_sync(), no moments),
+                  nothing running in the background either
     waited_ms     per step, the time the training thread waited on communication
                   (trainer/timing.py: backward's tail after the last gradient, plus
-                  the strategy's moments)
+                  the strategy's moments and the wait for the background at the
+                  round's end)
     comm_ms       per step, how long communication ran off the training thread: our
                   communication threads' busy time, or for torch's rows the span of
                   its buckets in flight (seen by wrapping its hook: plain ddp then
@@ -56,7 +61,7 @@ from collectives import trace
 from collectives.launch import add_local_rank_argument
 from . import torch_peers
 from .loop.models import ARCHITECTURES, build_model
-from .timing import SentBytes, WaitClock, background_comm_seconds
+from .timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 
 
 def _over_ranks(comm, values, op):
@@ -138,6 +143,27 @@ class Variant:
         trace.add(f"step {self.steps_done}", "step", started, time.perf_counter_ns(),
                   step=self.steps_done, sync=self.name)
 
+    def warm_up(self):
+        """The untimed steps (allocations, connections, bucket rebuilds), drained: the
+        first round starts with nothing in the background."""
+        for _ in range(self.warmup):
+            self.train_step()
+        self.drain()
+
+    def drain(self):
+        """Wait for the communication this variant left running in the background
+        (delayed's last all-reduce, async-avg's round): waiting, as a later step of its
+        own would have waited for it."""
+        with self.clock.blocking("drain background"):
+            drain_background(self.wrapped, self.strategy)
+
+    def last_step_of_round(self):
+        """A round's last step, which ends only when its background communication has:
+        the round's window then holds all the bytes and seconds its steps started, and
+        neither the compute-only sample nor the next variant's window overlaps them."""
+        self.train_step()
+        self.drain()
+
     def compute_only_step(self):
         """Forward, backward and the optimizer, with no communication and no moments
         (so a periodic strategy's step count is untouched)."""
@@ -157,10 +183,12 @@ class Variant:
     def round(self, comm):
         sent_before, communicating_before = self.sent.read(), self.communicating_seconds()
         self.clock.reset()
-        for _ in range(self.steps_per_round):
+        for index in range(self.steps_per_round):
             (trace.resume if self.trace_left > 0 else trace.pause)()
             self.trace_left -= 1
-            self.samples["step"].append(_time_once(comm, self.train_step))
+            last = index == self.steps_per_round - 1
+            self.samples["step"].append(
+                _time_once(comm, self.last_step_of_round if last else self.train_step))
         trace.pause()
         self.sent_bytes += self.sent.read() - sent_before
         self.communicating += self.communicating_seconds() - communicating_before
@@ -201,9 +229,8 @@ def rank_main(args):
         print(f"{'sync':>13} {'img/s':>7} {'step ms':>8} {'compute ms':>10} {'waited ms':>9} "
               f"{'comm ms':>8} {'hidden':>6} {'MB/step':>8} {'steps':>5} {'events':>6}")
     variants = [Variant(comm, name, args) for name in args.sync]
-    for variant in variants:  # warm up: allocations, connections, bucket rebuilds
-        for _ in range(variant.warmup):
-            variant.train_step()
+    for variant in variants:
+        variant.warm_up()
     for _ in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
         for variant in variants:
             variant.round(comm)

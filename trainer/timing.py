@@ -127,8 +127,32 @@ class SentBytes:
         return tcp_bytes_sent() or 0
 
 
-def background_comm_seconds(ddp, strategy) -> float:
-    """Seconds the communication threads (the bucketer's, a strategy's) have been busy."""
+def _comm_workers(ddp, strategy) -> list:
+    """The communication threads of our DDP's bucketer and of a strategy (delayed's,
+    async-avg's), where they have one; torch's DDP and peers have none."""
     workers = [getattr(getattr(ddp, "bucketer", None), "worker", None),
                getattr(strategy, "worker", None)]
-    return sum(worker.busy_seconds for worker in workers if worker is not None)
+    return [worker for worker in workers if worker is not None]
+
+
+def background_comm_seconds(ddp, strategy) -> float:
+    """Seconds the communication threads (the bucketer's, a strategy's) have been busy."""
+    return sum(worker.busy_seconds for worker in _comm_workers(ddp, strategy))
+
+
+def drain_background(ddp, strategy) -> None:
+    """Wait until the communication threads have finished every job submitted so far.
+
+    A strategy that communicates in the background (delayed's last all-reduce,
+    async-avg's averaging round) still sends after the step that started it returns;
+    a measurement that ends there must drain it first, or those bytes and seconds land
+    in whatever is measured next. Each worker runs its jobs in order, so an empty job
+    queued behind them is done when they are. The strategy's own state is untouched:
+    its next step finds the result ready, as if the network had been fast."""
+    for worker in _comm_workers(ddp, strategy):
+        drained = worker.submit(lambda: None, "drain")
+        while not drained.wait(0.1):
+            if not worker.thread.is_alive():  # stopped (strategy closed): nothing runs
+                break
+        if worker.error is not None:
+            raise worker.error
