@@ -3,14 +3,17 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 
 from checks_peers import (background_when_the_window_closes, bytes_sent_per_step,
                           every_peer_learns, ours_equal_torch_where_the_math_is_the_same)
 from distributed import run_world
 from trainer import compare
 from trainer.bench import aligned_warmup
+from trainer.timing import WaitClock
 
 
 @pytest.mark.timeout(150)
@@ -52,6 +55,44 @@ def test_bench_drains_background_communication_before_a_window_closes(name):
             background_when_the_window_closes, 2, args=(name,), timeout=100):
         assert unfinished == 0
         assert sent > 0 and counted == sent and sent_later == 0, (counted, sent, sent_later)
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose backward takes `seconds`: compute that runs before the gradients
+    of the parameters below it are computed."""
+
+    @staticmethod
+    def forward(ctx, x, seconds):
+        ctx.seconds = seconds
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+def _accumulate_grad_node(param):
+    """The autograd node that accumulates `param`'s gradient (torch's Reducer hooks it;
+    whoever does must hold it, as the param holds it only weakly)."""
+    return param.view_as(param).grad_fn.next_functions[0][0]
+
+
+@pytest.mark.parametrize("ddp_hook", ["post-accumulate, as ours", "accumulator, as torch's"])
+def test_the_wait_clock_starts_when_the_last_gradient_is_computed(ddp_hook):
+    """A DDP's work on the last gradient (here a 0.1 s hook, registered where our
+    bucketer's or torch's Reducer's are, before the clock) is waiting; backward's compute
+    before it (a 0.3 s layer) is not."""
+    layer, held = torch.nn.Linear(4, 4), []
+    for param in layer.parameters():
+        if ddp_hook.startswith("post-accumulate"):
+            param.register_post_accumulate_grad_hook(lambda p: time.sleep(0.1))
+        else:
+            held.append(_accumulate_grad_node(param))
+            held[-1].register_hook(lambda *_: time.sleep(0.1))
+    clock = WaitClock(layer)
+    clock.backward(_Sleep.apply(layer(torch.randn(2, 4)), 0.3).sum())
+    assert 0.1 <= clock.waited < 0.3, clock.waited
 
 
 def test_warmup_is_aligned_to_whole_periods():

@@ -21,8 +21,8 @@ it measures:
     compute_ms    the same step with no communication at all (no_sync(), no moments),
                   nothing running in the background either
     waited_ms     per step, the time the training thread waited on communication
-                  (trainer/timing.py: backward's tail after the last gradient, plus
-                  the strategy's moments and the wait for the background at the
+                  (trainer/timing.py: backward's tail from the last gradient computed,
+                  plus the strategy's moments and the wait for the background at the
                   round's end)
     comm_ms       per step, how long communication ran off the training thread: our
                   communication threads' busy time, or for torch's rows the span of

@@ -3,11 +3,9 @@
 Two figures the trainer and trainer.bench report for every sync, ours or torch's:
 
 waited: seconds the training thread could not compute because of communication. In
-    backward it is the tail: from the moment the last gradient is ready (a hook on
-    every parameter) to the moment backward() returns, which is when every bucket has
-    been reduced (DDP and ours both wait there); a no_sync() backward has almost no
-    tail. Outside backward it is the time spent in the strategy's after_backward and
-    after_step moments (PowerSGD's reductions, local SGD's model averaging).
+    backward it is the tail (WaitClock says exactly which span); outside backward it
+    is the time spent in the strategy's after_backward and after_step moments
+    (PowerSGD's reductions, local SGD's model averaging).
 
 bytes sent: what our transports send, by whatever route (TCP or shared memory), they
     count (`traffic`): our strategies' communicator's, and for ddp-collectives (torch's
@@ -36,7 +34,23 @@ _TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in struct tcp_in
 
 
 class WaitClock:
-    """Adds up the seconds the training thread waits on communication (see above)."""
+    """Adds up the seconds the training thread waits on communication.
+
+    backward's tail runs from the moment autograd has computed the last parameter's
+    gradient to the moment backward() returns. The start is taken by a hook on each
+    parameter's gradient (Tensor.register_hook), which autograd calls with the freshly
+    computed gradient before it is accumulated into .grad, and so before any DDP sees
+    it: our bucketer's hooks (post-accumulate) and torch's Reducer's (on the gradient
+    accumulator, after those) both run later, whichever was registered first. All that
+    a DDP does after the last gradient is computed is then counted, the same for ours
+    and torch's: copying that gradient into its bucket, launching the last bucket, and
+    waiting until every bucket has been reduced and written back to .grad (both wait
+    inside backward() for that). The compute of backward is not counted; neither is
+    the DDP's work on earlier gradients, which runs between pieces of compute. A
+    no_sync() backward has almost no tail.
+
+    blocking() sections (the strategy's moments) are waiting in full.
+    """
 
     def __init__(self, model: torch.nn.Module):
         self.waited = 0.0
@@ -44,9 +58,10 @@ class WaitClock:
         self._last_ready: Optional[int] = None  # perf_counter_ns of the last gradient
         for p in model.parameters():
             if p.requires_grad:
-                p.register_post_accumulate_grad_hook(self._ready)
+                p.register_hook(self._computed)
 
-    def _ready(self, param: torch.Tensor) -> None:
+    def _computed(self, grad: torch.Tensor) -> None:
+        """A parameter's gradient is computed (not yet in .grad): its time, unchanged."""
         self._last_ready = time.perf_counter_ns()
 
     def backward(self, loss: torch.Tensor) -> None:

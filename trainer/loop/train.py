@@ -170,7 +170,7 @@ def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
     strategy = create_sync(args)
     torch_peer = torch_peers.is_peer(args.sync)
     ddp = wrap_model(args, model, strategy, comm, torch_peer)
-    clock = WaitClock(model)  # its hooks run after our bucketer's, which takes each gradient
+    clock = WaitClock(model)  # from each gradient computed, before any DDP's hook sees it
     sent = SentBytes(comm, strategy)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
