@@ -7,6 +7,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import pytest
 
 from collectives.cluster import ClusterSpec, Network
 from collectives.cluster.job import start_mpirun, start_ranks
-from collectives.cluster.network import STATE_ROOT
+from collectives.cluster.network import STATE_ROOT, TOOLS
 from collectives.launch.mpirun import find_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -279,6 +280,26 @@ def test_cli_removes_everything_on_sigterm_and_cleanup_removes_a_killed_run():
             assert done.returncode == 0 and runs[0] in done.stdout, done.stdout
         assert not ours & netns_names()
         assert not os.path.exists(os.path.join(STATE_ROOT, runs[0]))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("--hosts", "2", "--", "true"), ("--cleanup",)],
+                         ids=["job", "cleanup"])
+def test_a_missing_tool_is_one_line_and_exit_2(args, tmp_path):
+    """PATH has every tool the cluster runs but `ip`: one line names it and its package."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in TOOLS:
+        if tool != "ip":
+            os.symlink(shutil.which(tool), bin_dir / tool)
+    before = netns_names()
+    done = subprocess.run([sys.executable, "-m", "collectives.cluster", *args], cwd=ROOT,
+                          env=dict(os.environ, PATH=str(bin_dir)), capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs ip," in lines[0] and "iproute2" in lines[0], done.stderr
+    assert not netns_names() - before
 
 
 @pytest.mark.timeout(60)

@@ -10,7 +10,8 @@
 
 The network exists only while the job runs: it is built before the first rank starts
 and removed when the job ends, fails, or is interrupted (Ctrl-C, SIGTERM). Exit status:
-the worst rank's; 2 when the cluster cannot be built here (one line says why).
+the worst rank's; 2 when the cluster cannot be built here (one line says why: no root,
+a missing tool).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from typing import List, Optional, Sequence
 
 from ..launch import split_command
 from .job import start_mpirun, start_ranks
-from .network import ClusterError, ClusterSpec, Network, remove_leftovers
+from .network import ClusterError, ClusterSpec, Network, check_tools, remove_leftovers
 
 
 def _ranks_per_host(hosts: Optional[int], per_host: str) -> List[int]:
@@ -79,14 +80,22 @@ def _exit_on_sigterm(signum, frame):
     raise SystemExit(128 + signum)  # unwinds through the finally below
 
 
+def _fail(error: ClusterError) -> int:
+    print(f"collectives.cluster: error: {error}", file=sys.stderr)
+    return 2
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, command, spec = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        check_tools()  # even --cleanup runs ip
+    except ClusterError as error:
+        return _fail(error)
     if args.cleanup:
         try:
             removed = remove_leftovers()
         except ClusterError as error:
-            print(f"collectives.cluster: error: {error}", file=sys.stderr)
-            return 2
+            return _fail(error)
         print(f"removed {len(removed)} run(s){': ' + ', '.join(removed) if removed else ''}")
         return 0
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
@@ -100,8 +109,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             job = start_ranks(network, command, prefix=not args.no_prefix)
         return job.wait()
     except ClusterError as error:
-        print(f"collectives.cluster: error: {error}", file=sys.stderr)
-        return 2
+        return _fail(error)
     except KeyboardInterrupt:
         return 130
     finally:

@@ -48,12 +48,26 @@ IFACE = "eth0"             # each host's NIC
 # kernel would cut each segment on the cores the ranks compute on (measured: 13x the CPU
 # time for a 16 MiB all-reduce on 4 hosts at 100 Mbit/s). A real NIC does that in hardware.
 TSO_BURST = 128 << 10
-TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "umount")
+# Every command the cluster runs, and the Debian package that has it.
+TOOLS = {"ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux",
+         "unshare": "util-linux", "umount": "mount", "hostname": "hostname",
+         "sh": "dash", "cat": "coreutils"}
 _RUN_NAME = re.compile(r"^cc[0-9a-f]{6}$")
 
 
 class ClusterError(RuntimeError):
     """The cluster cannot be built here (privileges, tools, kernel); one line says why."""
+
+
+def check_tools() -> None:
+    """Raise ClusterError naming every command the cluster needs that is not on PATH,
+    with the packages that have them: one line up front, not a traceback from the
+    middle of build() or remove() (which runs `ip` even when nothing was built)."""
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if missing:
+        packages = " ".join(sorted({TOOLS[tool] for tool in missing}))
+        raise ClusterError(f"the emulated cluster needs {', '.join(missing)}, not found on "
+                           f"PATH (Debian: apt-get install {packages})")
 
 
 def rate_bits(rate: str) -> int:
@@ -130,10 +144,7 @@ class Network:
     # --- bringing it up -------------------------------------------------------------------
     def build(self) -> "Network":
         """Create every namespace, link and file; on any failure remove what was made."""
-        missing = [tool for tool in TOOLS if shutil.which(tool) is None]
-        if missing:
-            raise ClusterError(f"the emulated cluster needs {', '.join(missing)} "
-                               "(Debian: apt-get install iproute2 util-linux mount)")
+        check_tools()
         try:
             os.makedirs(STATE_ROOT, exist_ok=True)
             os.makedirs(self.state_dir)
@@ -306,7 +317,11 @@ def _list_netns() -> List[str]:
 
 
 def _run(argv: List[str], check: bool = True, stdin: Optional[str] = None):
-    done = subprocess.run(argv, capture_output=True, text=True, input=stdin)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, input=stdin)
+    except FileNotFoundError:  # check_tools() says so up front; this is the last guard
+        raise ClusterError(f"{argv[0]} not found on PATH: the emulated cluster needs it "
+                           f"(Debian: apt-get install {TOOLS.get(argv[0], argv[0])})") from None
     if check and done.returncode != 0:
         raise ClusterError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
     return done
