@@ -3,6 +3,7 @@
 Needs root (network namespaces), as CI has; skipped with the reason elsewhere. Every
 test removes what it built, and checks that nothing of its run is left.
 """
+import contextlib
 import glob
 import json
 import os
@@ -303,28 +304,6 @@ def runs_owned_by(pid):
     return runs
 
 
-@pytest.mark.timeout(120)
-def test_cli_removes_everything_on_sigterm_and_cleanup_removes_a_killed_run():
-    for how in (signal.SIGTERM, signal.SIGKILL):
-        launcher = subprocess.Popen([sys.executable, "-m", "collectives.cluster", "--hosts", "2",
-                                     "--", "sleep", "60"], cwd=ROOT)
-        deadline = time.monotonic() + 60
-        ours = set()
-        while len(ours) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            runs = runs_owned_by(launcher.pid)
-            ours = {n for n in netns_names() for run in runs if n.startswith(run + "-")}
-        assert len(ours) == 3  # two hosts and the switch
-        launcher.send_signal(how)
-        launcher.wait(timeout=30)
-        if how == signal.SIGKILL:  # nothing could clean up: --cleanup does
-            assert ours & netns_names()
-            done = run_cli("--cleanup")
-            assert done.returncode == 0 and runs[0] in done.stdout, done.stdout
-        assert not ours & netns_names()
-        assert not os.path.exists(os.path.join(STATE_ROOT, runs[0]))
-
-
 def remove_run(run):
     """Remove what cluster run `run` left (a test's own run, after its launcher died)."""
     try:
@@ -357,6 +336,52 @@ def start_launcher(*args, **popen):
     launcher = subprocess.Popen([sys.executable, "-m", "collectives.cluster", *args],
                                 cwd=ROOT, env=dict(os.environ, **{MARK: mark}), **popen)
     return launcher, mark
+
+
+@contextlib.contextmanager
+def running_launcher(*args, hosts):
+    """A launcher running ARGS, once its network of `hosts` hosts is up: (the process,
+    its run's name, its mark). Whatever happens, it is stopped and its run removed."""
+    launcher, mark = start_launcher(*args)
+    try:
+        deadline, run = time.monotonic() + 60, None
+        while run is None and time.monotonic() < deadline and launcher.poll() is None:
+            time.sleep(0.2)
+            for candidate in runs_owned_by(launcher.pid):
+                up = {n for n in netns_names() if n.startswith(candidate + "-")}
+                run = candidate if len(up) == hosts + 1 else None  # and the switch
+        assert run is not None, "the launcher built no network"
+        yield launcher, run, mark
+    finally:
+        stop_launcher(launcher)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [signal.SIGHUP, signal.SIGINT, signal.SIGTERM],
+                         ids=["SIGHUP", "SIGINT", "SIGTERM"])
+def test_cli_stopped_by_a_signal_removes_everything_and_exits_128_plus_it(stop):
+    """A closed terminal or dropped ssh session (SIGHUP), Ctrl-C, kill: the ranks stop,
+    the network goes, and the status says which signal, as a shell reports it."""
+    links = host_links()
+    with running_launcher("--hosts", "2", "--", "sleep", "60", hosts=2) as (launcher, run,
+                                                                            mark):
+        launcher.send_signal(stop)
+        assert launcher.wait(timeout=30) == 128 + stop
+    assert_left_nothing(run, mark, links)
+
+
+@pytest.mark.timeout(120)
+def test_cli_killed_leaves_its_run_to_cleanup():
+    """SIGKILL leaves the launcher no chance: its run stays until --cleanup removes it."""
+    links = host_links()
+    with running_launcher("--hosts", "2", "--", "sleep", "60", hosts=2) as (launcher, run,
+                                                                            mark):
+        launcher.kill()
+        launcher.wait(timeout=30)
+        assert any(n.startswith(run + "-") for n in netns_names())
+        done = run_cli("--cleanup")
+        assert done.returncode == 0 and run in done.stdout, done.stdout
+    assert_left_nothing(run, mark, links)
 
 
 @pytest.mark.timeout(120)
