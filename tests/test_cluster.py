@@ -3,10 +3,13 @@
 Needs root (network namespaces), as CI has; skipped with the reason elsewhere. Every
 test removes what it built, and checks that nothing of its run is left.
 """
+import contextlib
 import glob
 import json
 import os
 import re
+import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,7 +19,7 @@ import pytest
 
 from collectives.cluster import ClusterSpec, Network
 from collectives.cluster.job import start_mpirun, start_ranks
-from collectives.cluster.network import STATE_ROOT
+from collectives.cluster.network import STATE_ROOT, TOOLS
 from collectives.launch.mpirun import find_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -33,12 +36,54 @@ def netns_names():
     return {line.split()[0] for line in out.splitlines() if line.strip()}
 
 
-def assert_removed(network: Network):
-    leftovers = {n for n in netns_names() if n.startswith(network.run)}
+MARK = "COLLECTIVES_TEST_MARK"  # in a launcher's environment, so in all its job starts
+
+
+def marked_processes(mark):
+    """Pids of the live processes whose environment holds MARK=`mark` (a zombie's
+    environment reads empty: it holds nothing any more)."""
+    wanted, found = f"{MARK}={mark}".encode(), []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as environ:
+                if wanted in environ.read().split(b"\0"):
+                    found.append(int(pid))
+        except OSError:
+            pass  # gone meanwhile, or a kernel thread
+    return found
+
+
+def host_links():
+    """Names of the veth and bridge devices in this (the machine's own) namespace."""
+    names = set()
+    for kind in ("veth", "bridge"):
+        out = subprocess.run(["ip", "-o", "link", "show", "type", kind], capture_output=True,
+                             text=True).stdout
+        names |= {line.split(":")[1].strip().split("@")[0] for line in out.splitlines()}
+    return names
+
+
+def assert_left_nothing(run, mark=None, links_before=None):
+    """Nothing of cluster run `run` is left: no namespace, no mount (the namespaces' and
+    the hostnames'), no /etc/netns folder, no state folder; with `mark`, no process of
+    the job (its environment carries the mark); with `links_before`, no veth or bridge
+    in this namespace that was not there before."""
+    leftovers = {n for n in netns_names() if n.startswith(run + "-")}
     assert not leftovers, f"namespaces left behind: {leftovers}"
-    assert not os.path.exists(network.state_dir)
-    assert not any(name.startswith(network.run) for name in os.listdir("/etc/netns")
-                   ) if os.path.isdir("/etc/netns") else True
+    with open("/proc/self/mountinfo") as mounts:
+        mounted = [line.split()[4] for line in mounts if run in line]
+    assert not mounted, f"mounts left behind: {mounted}"
+    etc = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
+    assert not [name for name in etc if name.startswith(run + "-")], etc
+    assert not os.path.exists(os.path.join(STATE_ROOT, run))
+    if mark is not None:
+        assert not marked_processes(mark), "processes of the job left behind"
+    if links_before is not None:
+        assert not host_links() - links_before, "links left in this namespace"
+
+
+def assert_removed(network: Network):
+    assert_left_nothing(network.run)
 
 
 def checks(case, backend="gloo"):
@@ -259,26 +304,125 @@ def runs_owned_by(pid):
     return runs
 
 
-@pytest.mark.timeout(120)
-def test_cli_removes_everything_on_sigterm_and_cleanup_removes_a_killed_run():
-    for how in (signal.SIGTERM, signal.SIGKILL):
-        launcher = subprocess.Popen([sys.executable, "-m", "collectives.cluster", "--hosts", "2",
-                                     "--", "sleep", "60"], cwd=ROOT)
-        deadline = time.monotonic() + 60
-        ours = set()
-        while len(ours) < 3 and time.monotonic() < deadline:
+def remove_run(run):
+    """Remove what cluster run `run` left (a test's own run, after its launcher died)."""
+    try:
+        with open(os.path.join(STATE_ROOT, run, "state.json")) as file:
+            ranks_per_host = json.load(file)["spec"]["ranks_per_host"]
+    except (OSError, ValueError):
+        ranks_per_host = [1] * sum(n.startswith(run + "-node") for n in netns_names())
+    Network(ClusterSpec(ranks_per_host or [1]), run=run).remove()
+
+
+def stop_launcher(launcher):
+    """Stop a launcher that is still running (SIGTERM, which every version handles;
+    SIGKILL if that is not enough) and remove its runs."""
+    runs = runs_owned_by(launcher.pid)
+    if launcher.poll() is None:
+        launcher.terminate()
+        try:
+            launcher.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            launcher.kill()
+            launcher.communicate()
+    for run in runs:
+        remove_run(run)
+
+
+def start_launcher(*args, **popen):
+    """`python -m collectives.cluster ARGS` in the background, its environment marked:
+    (the process, the mark)."""
+    mark = secrets.token_hex(4)
+    launcher = subprocess.Popen([sys.executable, "-m", "collectives.cluster", *args],
+                                cwd=ROOT, env=dict(os.environ, **{MARK: mark}), **popen)
+    return launcher, mark
+
+
+@contextlib.contextmanager
+def running_launcher(*args, hosts):
+    """A launcher running ARGS, once its network of `hosts` hosts is up: (the process,
+    its run's name, its mark). Whatever happens, it is stopped and its run removed."""
+    launcher, mark = start_launcher(*args)
+    try:
+        deadline, run = time.monotonic() + 60, None
+        while run is None and time.monotonic() < deadline and launcher.poll() is None:
             time.sleep(0.2)
-            runs = runs_owned_by(launcher.pid)
-            ours = {n for n in netns_names() for run in runs if n.startswith(run + "-")}
-        assert len(ours) == 3  # two hosts and the switch
-        launcher.send_signal(how)
+            for candidate in runs_owned_by(launcher.pid):
+                up = {n for n in netns_names() if n.startswith(candidate + "-")}
+                run = candidate if len(up) == hosts + 1 else None  # and the switch
+        assert run is not None, "the launcher built no network"
+        yield launcher, run, mark
+    finally:
+        stop_launcher(launcher)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("stop", [signal.SIGHUP, signal.SIGINT, signal.SIGTERM],
+                         ids=["SIGHUP", "SIGINT", "SIGTERM"])
+def test_cli_stopped_by_a_signal_removes_everything_and_exits_128_plus_it(stop):
+    """A closed terminal or dropped ssh session (SIGHUP), Ctrl-C, kill: the ranks stop,
+    the network goes, and the status says which signal, as a shell reports it."""
+    links = host_links()
+    with running_launcher("--hosts", "2", "--", "sleep", "60", hosts=2) as (launcher, run,
+                                                                            mark):
+        launcher.send_signal(stop)
+        assert launcher.wait(timeout=30) == 128 + stop
+    assert_left_nothing(run, mark, links)
+
+
+@pytest.mark.timeout(120)
+def test_cli_killed_leaves_its_run_to_cleanup():
+    """SIGKILL leaves the launcher no chance: its run stays until --cleanup removes it."""
+    links = host_links()
+    with running_launcher("--hosts", "2", "--", "sleep", "60", hosts=2) as (launcher, run,
+                                                                            mark):
+        launcher.kill()
         launcher.wait(timeout=30)
-        if how == signal.SIGKILL:  # nothing could clean up: --cleanup does
-            assert ours & netns_names()
-            done = run_cli("--cleanup")
-            assert done.returncode == 0 and runs[0] in done.stdout, done.stdout
-        assert not ours & netns_names()
-        assert not os.path.exists(os.path.join(STATE_ROOT, runs[0]))
+        assert any(n.startswith(run + "-") for n in netns_names())
+        done = run_cli("--cleanup")
+        assert done.returncode == 0 and run in done.stdout, done.stdout
+    assert_left_nothing(run, mark, links)
+
+
+@pytest.mark.timeout(120)
+def test_cli_ends_with_its_ranks_though_a_child_they_left_holds_their_output():
+    """Each rank's shell starts `sleep 1000 &` and ends: the sleep still holds the pipe
+    its output is prefixed from. The launcher ends with the ranks all the same, kills
+    the sleeps and removes everything."""
+    links = host_links()
+    launcher, mark = start_launcher("--hosts", "2", "--", "sh", "-c",
+                                    "sleep 1000 & ip netns identify", stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = launcher.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        stop_launcher(launcher)
+        pytest.fail("the launcher still runs 30 s after its ranks ended")
+    assert launcher.returncode == 0, err
+    lines = sorted(out.splitlines())
+    assert [line.split(": ")[0] for line in lines] == ["[rank 0 node0]", "[rank 1 node1]"], out
+    run = lines[0].split(": ")[1].split("-")[0]  # the rank's namespace: <run>-node0
+    assert_left_nothing(run, mark, links)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("args", [("--hosts", "2", "--", "true"), ("--cleanup",)],
+                         ids=["job", "cleanup"])
+def test_a_missing_tool_is_one_line_and_exit_2(args, tmp_path):
+    """PATH has every tool the cluster runs but `ip`: one line names it and its package."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in TOOLS:
+        if tool != "ip":
+            os.symlink(shutil.which(tool), bin_dir / tool)
+    before = netns_names()
+    done = subprocess.run([sys.executable, "-m", "collectives.cluster", *args], cwd=ROOT,
+                          env=dict(os.environ, PATH=str(bin_dir)), capture_output=True,
+                          text=True, timeout=50)
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs ip," in lines[0] and "iproute2" in lines[0], done.stderr
+    assert not netns_names() - before
 
 
 @pytest.mark.timeout(60)

@@ -9,8 +9,11 @@
     python -m collectives.cluster --cleanup        (remove what killed runs left behind)
 
 The network exists only while the job runs: it is built before the first rank starts
-and removed when the job ends, fails, or is interrupted (Ctrl-C, SIGTERM). Exit status:
-the worst rank's; 2 when the cluster cannot be built here (one line says why).
+and removed when the job ends, fails, or is stopped by a signal: Ctrl-C (SIGINT), a
+closed terminal or dropped ssh session (SIGHUP), kill (SIGTERM). Exit status: the worst
+rank's; 128 + the signal's number when stopped by one (129, 130, 143), as a shell
+reports it; 2 when the cluster cannot be built here (one line says why: no root, a
+missing tool).
 """
 from __future__ import annotations
 
@@ -21,7 +24,9 @@ from typing import List, Optional, Sequence
 
 from ..launch import split_command
 from .job import start_mpirun, start_ranks
-from .network import ClusterError, ClusterSpec, Network, remove_leftovers
+from .network import ClusterError, ClusterSpec, Network, check_tools, remove_leftovers
+
+STOP_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
 
 
 def _ranks_per_host(hosts: Optional[int], per_host: str) -> List[int]:
@@ -75,21 +80,46 @@ def parse(argv: Sequence[str]):
     return args, command, spec
 
 
-def _exit_on_sigterm(signum, frame):
-    raise SystemExit(128 + signum)  # unwinds through the finally below
+def _stop(signum, frame):
+    """A stop signal: unwind through main's `finally`, which kills the ranks and removes
+    the network, and exit with 128 + its number."""
+    raise SystemExit(128 + signum)
+
+
+def _ignore(signum, frame):
+    """Clean-up has begun: a second signal (Ctrl-C twice, SIGHUP then SIGTERM) must not
+    cut it short. A handler rather than SIG_IGN: SIG_IGN would pass on to the commands
+    the clean-up runs, a Python handler does not survive exec."""
+
+
+def _on_stop_signals(handler) -> None:
+    """Handle every stop signal with `handler`, except one this process was started
+    ignoring: under `nohup` (SIGHUP ignored) or as a shell's `&` job (SIGINT ignored)
+    the job must outlive those, as any command does."""
+    for signum in STOP_SIGNALS:
+        if signal.getsignal(signum) is not signal.SIG_IGN:
+            signal.signal(signum, handler)
+
+
+def _fail(error: ClusterError) -> int:
+    print(f"collectives.cluster: error: {error}", file=sys.stderr)
+    return 2
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, command, spec = parse(sys.argv[1:] if argv is None else argv)
+    try:
+        check_tools()  # even --cleanup runs ip
+    except ClusterError as error:
+        return _fail(error)
     if args.cleanup:
         try:
             removed = remove_leftovers()
         except ClusterError as error:
-            print(f"collectives.cluster: error: {error}", file=sys.stderr)
-            return 2
+            return _fail(error)
         print(f"removed {len(removed)} run(s){': ' + ', '.join(removed) if removed else ''}")
         return 0
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    _on_stop_signals(_stop)
     network = Network(spec)
     job = None
     try:
@@ -100,11 +130,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             job = start_ranks(network, command, prefix=not args.no_prefix)
         return job.wait()
     except ClusterError as error:
-        print(f"collectives.cluster: error: {error}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+        return _fail(error)
     finally:
+        _on_stop_signals(_ignore)
         if job is not None:
             job.kill()
         network.remove()

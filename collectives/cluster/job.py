@@ -20,6 +20,10 @@ link's bits per second), so benchmarks can report what really crossed the wire.
 
 Output: each rank's lines are prefixed with `[rank R node H]: ` (as torchrun's --tee
 and --role do), and the job's exit status is the worst rank's.
+
+The job ends when its processes end. Whatever they left running on the hosts (a
+`server &` that outlived its shell) is killed then: it may hold the pipes the prefixes
+are read from, and waiting for their end of file would wait for it.
 """
 from __future__ import annotations
 
@@ -27,11 +31,13 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from typing import Dict, List, Optional, Sequence
 
 from .network import IFACE, Network, rate_bits
 
 MASTER_PORT = 29500  # node0's namespace is new: nothing else listens there
+DRAIN_SECONDS = 5.0  # once the job has ended, how long its output may take to be copied
 
 
 def _cluster_env(network: Network) -> Dict[str, str]:
@@ -83,10 +89,11 @@ class _Prefixer(threading.Thread):
 
 
 class Job:
-    """The processes of one job; wait() returns the worst exit status."""
+    """The processes of one job on `network`; wait() returns the worst exit status."""
 
-    def __init__(self, processes: List[subprocess.Popen], names: List[str], prefix: bool):
-        self.processes, self.names = processes, names
+    def __init__(self, processes: List[subprocess.Popen], names: List[str], prefix: bool,
+                 network: Optional[Network] = None):
+        self.processes, self.names, self.network = processes, names, network
         self.pumps: List[_Prefixer] = []
         if prefix:
             for process, name in zip(processes, names):
@@ -97,10 +104,26 @@ class Job:
                     self.pumps.append(pump)
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        codes = [process.wait(timeout) for process in self.processes]
-        for pump in self.pumps:
-            pump.join()
+        """Wait until every process of the job has ended (at most `timeout` seconds in
+        all: subprocess.TimeoutExpired after that), end what they left behind, and
+        return the worst exit status."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        codes = [process.wait(None if deadline is None else
+                              max(0.0, deadline - time.monotonic()))
+                 for process in self.processes]
+        self._end_leftovers()
         return worst_status(codes)
+
+    def _end_leftovers(self) -> None:
+        """Kill what the job left running on the hosts, then let the pumps copy the
+        last of its output: with every writer of a pipe gone, they reach its end. A
+        pump still reading after DRAIN_SECONDS (a writer that left the hosts'
+        namespaces) is abandoned: it is a daemon thread."""
+        if self.network is not None:
+            self.network.kill_processes()
+        drain_until = time.monotonic() + DRAIN_SECONDS
+        for pump in self.pumps:
+            pump.join(max(0.0, drain_until - time.monotonic()))
 
     def kill(self) -> None:
         for process in self.processes:
@@ -132,7 +155,7 @@ def start_ranks(network: Network, command: Sequence[str], prefix: bool = True,
         processes.append(subprocess.Popen(network.enter(host) + list(command), env=env,
                                           stdout=pipe, stderr=pipe))
         names.append(f"rank {rank} {spec.hostname(host)}")
-    return Job(processes, names, prefix)
+    return Job(processes, names, prefix, network)
 
 
 def rsh_script(network: Network) -> str:
@@ -157,4 +180,4 @@ def start_mpirun(network: Network, command: Sequence[str],
                HYDRA_HOST_FILE=host_file, HYDRA_IFACE=IFACE)
     env.update(extra_env or {})
     process = subprocess.Popen(network.enter(0) + list(command), env=env)
-    return Job([process], ["mpirun"], prefix=False)
+    return Job([process], ["mpirun"], prefix=False, network=network)

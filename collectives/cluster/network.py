@@ -37,6 +37,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -48,12 +49,27 @@ IFACE = "eth0"             # each host's NIC
 # kernel would cut each segment on the cores the ranks compute on (measured: 13x the CPU
 # time for a 16 MiB all-reduce on 4 hosts at 100 Mbit/s). A real NIC does that in hardware.
 TSO_BURST = 128 << 10
-TOOLS = ("ip", "tc", "nsenter", "unshare", "mount", "umount")
+# Every command the cluster runs, and the Debian package that has it.
+TOOLS = {"ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux",
+         "unshare": "util-linux", "umount": "mount", "hostname": "hostname",
+         "sh": "dash", "cat": "coreutils"}
+KILL_ROUNDS = 20           # passes of "kill every process on the hosts" until none is left
 _RUN_NAME = re.compile(r"^cc[0-9a-f]{6}$")
 
 
 class ClusterError(RuntimeError):
     """The cluster cannot be built here (privileges, tools, kernel); one line says why."""
+
+
+def check_tools() -> None:
+    """Raise ClusterError naming every command the cluster needs that is not on PATH,
+    with the packages that have them: one line up front, not a traceback from the
+    middle of build() or remove() (which runs `ip` even when nothing was built)."""
+    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
+    if missing:
+        packages = " ".join(sorted({TOOLS[tool] for tool in missing}))
+        raise ClusterError(f"the emulated cluster needs {', '.join(missing)}, not found on "
+                           f"PATH (Debian: apt-get install {packages})")
 
 
 def rate_bits(rate: str) -> int:
@@ -116,6 +132,11 @@ class Network:
     def switch(self) -> str:
         return f"{self.run}-switch"
 
+    @property
+    def namespaces(self) -> List[str]:
+        """Every network namespace of the run: the hosts', then the switch's."""
+        return [self.netns(h) for h in range(self.spec.hosts)] + [self.switch]
+
     def uts_file(self, host: int) -> str:
         return os.path.join(self.state_dir, f"{self.spec.hostname(host)}.uts")
 
@@ -130,10 +151,7 @@ class Network:
     # --- bringing it up -------------------------------------------------------------------
     def build(self) -> "Network":
         """Create every namespace, link and file; on any failure remove what was made."""
-        missing = [tool for tool in TOOLS if shutil.which(tool) is None]
-        if missing:
-            raise ClusterError(f"the emulated cluster needs {', '.join(missing)} "
-                               "(Debian: apt-get install iproute2 util-linux mount)")
+        check_tools()
         try:
             os.makedirs(STATE_ROOT, exist_ok=True)
             os.makedirs(self.state_dir)
@@ -221,9 +239,14 @@ class Network:
         return {"sent": int(out[0]), "received": int(out[1])}
 
     # --- tearing it down --------------------------------------------------------------------
+    def kill_processes(self) -> None:
+        """Kill every process still running on a host: what a job's ranks left behind
+        (`cmd &` outlives its shell) may hold their output pipes open."""
+        _kill_processes(self.namespaces)
+
     def remove(self) -> None:
         """Kill what still runs on the hosts, then delete every namespace, link and file."""
-        _remove_run(self.run, [self.netns(h) for h in range(self.spec.hosts)] + [self.switch],
+        _remove_run(self.run, self.namespaces,
                     [self.uts_file(h) for h in range(self.spec.hosts)],
                     [self.etc_dir(h) for h in range(self.spec.hosts)], self.state_dir)
 
@@ -234,17 +257,29 @@ class Network:
         self.remove()
 
 
+def _kill_processes(namespaces: List[str]) -> None:
+    """SIGKILL every process inside `namespaces`, pass after pass until none is left: a
+    process that forks while a pass kills its parent leaves a child that pass missed.
+    (A killed process stops being listed once it has exited, even before it is reaped.)"""
+    existing = set(_list_netns())
+    namespaces = [namespace for namespace in namespaces if namespace in existing]
+    for _ in range(KILL_ROUNDS):
+        pids = [pid for namespace in namespaces
+                for pid in _run(["ip", "netns", "pids", namespace], check=False).stdout.split()]
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.05)  # let them exit before looking again
+
+
 def _remove_run(run: str, namespaces: List[str], uts_files: List[str], etc_dirs: List[str],
                 state_dir: str) -> None:
+    _kill_processes(namespaces)  # every process still inside a host dies first
     existing = set(_list_netns())
-    for namespace in namespaces:  # every process still inside a host dies first
-        if namespace in existing:
-            pids = _run(["ip", "netns", "pids", namespace], check=False).stdout.split()
-            for pid in pids:
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
     for namespace in namespaces:
         if namespace in existing:
             _run(["ip", "netns", "del", namespace], check=False)  # its links go with it
@@ -306,7 +341,11 @@ def _list_netns() -> List[str]:
 
 
 def _run(argv: List[str], check: bool = True, stdin: Optional[str] = None):
-    done = subprocess.run(argv, capture_output=True, text=True, input=stdin)
+    try:
+        done = subprocess.run(argv, capture_output=True, text=True, input=stdin)
+    except FileNotFoundError:  # check_tools() says so up front; this is the last guard
+        raise ClusterError(f"{argv[0]} not found on PATH: the emulated cluster needs it "
+                           f"(Debian: apt-get install {TOOLS.get(argv[0], argv[0])})") from None
     if check and done.returncode != 0:
         raise ClusterError(f"{' '.join(argv)} failed: {done.stderr.strip()}")
     return done
