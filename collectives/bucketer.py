@@ -157,6 +157,17 @@ class CommWorker:
         self.jobs.put((job, done, name, trace_args, ready_ns))
         return done
 
+    def drain(self) -> None:
+        """Wait until every job submitted so far has run (an empty job queued behind
+        them is done when they are); re-raise a job's error. Returns at once if the
+        thread has stopped."""
+        drained = self.submit(lambda: None, "drain")
+        while not drained.wait(0.1):
+            if not self.thread.is_alive():  # stopped: nothing more will run
+                break
+        if self.error is not None:
+            raise self.error
+
     def stop(self) -> None:
         """Finish the jobs already submitted, then end the thread."""
         self.jobs.put((None, None, None, None, None))

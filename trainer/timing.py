@@ -161,13 +161,7 @@ def drain_background(ddp, strategy) -> None:
     A strategy that communicates in the background (delayed's last all-reduce,
     async-avg's averaging round) still sends after the step that started it returns;
     a measurement that ends there must drain it first, or those bytes and seconds land
-    in whatever is measured next. Each worker runs its jobs in order, so an empty job
-    queued behind them is done when they are. The strategy's own state is untouched:
-    its next step finds the result ready, as if the network had been fast."""
+    in whatever is measured next. The strategy's own state is untouched: its next step
+    finds the result ready, as if the network had been fast."""
     for worker in _comm_workers(ddp, strategy):
-        drained = worker.submit(lambda: None, "drain")
-        while not drained.wait(0.1):
-            if not worker.thread.is_alive():  # stopped (strategy closed): nothing runs
-                break
-        if worker.error is not None:
-            raise worker.error
+        worker.drain()
