@@ -12,17 +12,17 @@ import torch
 import torch.nn.functional as F
 
 import collectives
-from checks_sync import mlp, shard, train_mlp
+from checks_sync import mean_over_ranks, mlp, shard, train_mlp
 from collectives import sync
 from trainer import bench, torch_peers
 from trainer.timing import SentBytes
 
 
-def train_peer(comm, name, steps=5, lr=0.1, fixed_batch=False, **options):
+def train_peer(comm, name, steps=5, lr=0.1, fixed_batch=False, batchnorm=False, **options):
     """Train the checks' MLP with a torch peer, in the trainer's order; return the state
     and the losses."""
     peer = torch_peers.create(name, **options)
-    module = mlp()
+    module = mlp(batchnorm)
     model = peer.wrap(module)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     losses = []
@@ -52,25 +52,53 @@ def every_peer_learns(comm):
     return losses
 
 
+def keep_floating_buffers_of_step(last, kept):
+    """An after_optimizer for train_mlp: at step `last`, copy the floating-point buffers
+    into `kept`, as they are before the strategy's after_step averages them."""
+    def keep(module, step):
+        if step == last:
+            kept.update({name: buffer.clone() for name, buffer in module.named_buffers()
+                         if buffer.is_floating_point()})
+    return keep
+
+
 def ours_equal_torch_where_the_math_is_the_same(comm):
     """allreduce == ddp, local-sgd == ddp-localsgd after whole periods (plain SGD, float64);
-    fp16 == ddp-fp16 to fp16 rounding. Returns the largest differences."""
+    fp16 == ddp-fp16 to fp16 rounding; on the MLP with BatchNorm. Returns the largest
+    differences.
+
+    allreduce and fp16 take rank 0's BatchNorm buffers before each forward, as torch's
+    DDP does: their parameters and buffers are compared. Local SGD differs from torch's
+    post-local SGD by design in the buffers (ours averages them with the parameters,
+    torch's leaves them to DDP's broadcast): its parameters are compared with torch's,
+    and its buffers with the mean over the ranks of what they held before its last
+    averaging."""
     differences = {}
     pairs = [("allreduce", "ddp", {}, {}),
              ("local-sgd", "ddp-localsgd", {"period": 3}, {"period": 3}),
              ("local-sgd", "ddp-localsgd", {"period": 2, "warmup_steps": 2},
               {"period": 2, "warmup_steps": 2}),
              ("fp16", "ddp-fp16", {}, {})]
+    parameters = {name for name, _ in mlp(batchnorm=True).named_parameters()}
     for ours_name, peer_name, ours_options, peer_options in pairs:
         steps = 6  # whole periods for every pair above
-        ours = train_mlp(comm, ours_name, steps=steps, **ours_options)
-        theirs, _ = train_peer(comm, peer_name, steps=steps, **peer_options)
-        largest = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+        before_averaging = {}
+        ours = train_mlp(comm, ours_name, steps=steps, batchnorm=True,
+                         after_optimizer=keep_floating_buffers_of_step(steps, before_averaging),
+                         **ours_options)
+        theirs, _ = train_peer(comm, peer_name, steps=steps, batchnorm=True, **peer_options)
+        compared = parameters if ours_name == "local-sgd" else set(ours)
+        largest = max((ours[k] - theirs[k]).abs().max().item() for k in compared)
         key = f"{ours_name}{ours_options} vs {peer_name}"
         differences[key] = largest
-    # Local SGD without averaging at the end would leave the ranks apart: check they agree.
-    replicas = train_peer(comm, "ddp-localsgd", steps=6, period=3)[0]
-    digest = torch.cat([v.flatten() for v in replicas.values()])
+        if ours_name == "local-sgd":
+            differences[f"{key}: our buffers vs the mean of the ranks' before averaging"] = max(
+                (ours[k] - mean_over_ranks(buffer)).abs().max().item()
+                for k, buffer in before_averaging.items())
+    # Local SGD without averaging at the end would leave the ranks apart: check they agree
+    # (in their parameters: torch's buffers are each rank's, updated from its own batch).
+    replicas = train_peer(comm, "ddp-localsgd", steps=6, period=3, batchnorm=True)[0]
+    digest = torch.cat([replicas[name].flatten() for name in sorted(parameters)])
     gathered = [torch.empty_like(digest) for _ in range(comm.world_size)]
     torch.distributed.all_gather(gathered, digest)
     differences["ddp-localsgd replicas after a period"] = max(

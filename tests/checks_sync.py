@@ -29,18 +29,26 @@ class SmallCNN(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
-def mlp():
+def mlp(batchnorm=False):
+    """The checks' MLP, in float64, the same on every rank. With `batchnorm`, a
+    BatchNorm1d after the first layer: its running statistics are buffers, which each
+    rank updates from its own batch, and which model averaging must average too."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+    norm = [nn.BatchNorm1d(64)] if batchnorm else []
+    return nn.Sequential(nn.Linear(20, 64), *norm, nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
                          nn.Linear(48, 5)).double()
 
 
-def step_once(model, strategy, optimizer, x, y, step):
-    """One step in the order every strategy expects (the trainer's order)."""
+def step_once(model, strategy, optimizer, x, y, step, after_optimizer=None):
+    """One step in the order every strategy expects (the trainer's order);
+    after_optimizer(module, step), if given, runs between the optimizer's step and the
+    strategy's after_step (where model averaging averages)."""
     optimizer.zero_grad()
     F.cross_entropy(model(x), y).backward()
     strategy.after_backward(model.module)
     optimizer.step()
+    if after_optimizer is not None:
+        after_optimizer(model.module, step)
     strategy.after_step(model.module, step)
 
 
@@ -52,21 +60,47 @@ def shard(comm, step, batch=8):
     return x[part], y[part]
 
 
-def train_mlp(comm, name, steps=5, lr=0.1, momentum=0.0, **options):
+def train_mlp(comm, name, steps=5, lr=0.1, momentum=0.0, batchnorm=False,
+              after_optimizer=None, **options):
+    """Train the MLP with strategy `name` (each rank its own batches); return its state
+    (parameters and buffers). after_optimizer: as step_once takes it."""
     strategy = sync.create(name, algorithm="ring", **options)
-    model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+    model = collectives.DistributedDataParallel(mlp(batchnorm), sync=strategy, comm=comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in range(1, steps + 1):
-        step_once(model, strategy, optimizer, *shard(comm, step), step)
+        step_once(model, strategy, optimizer, *shard(comm, step), step, after_optimizer)
     strategy.close()
     return {k: v.clone() for k, v in model.module.state_dict().items()}
 
 
+def mean_over_ranks(tensor):
+    """The mean of `tensor` over the ranks, computed with torch.distributed's own
+    all-reduce (not this project's): the reference our averaging is checked against."""
+    total = tensor.clone()
+    torch.distributed.all_reduce(total)
+    return total / torch.distributed.get_world_size()
+
+
+def average_buffers_by_hand(module, step):
+    """Every floating-point buffer (BatchNorm's running statistics) replaced by its mean
+    over the ranks."""
+    for buffer in module.buffers():
+        if buffer.is_floating_point():
+            buffer.copy_(mean_over_ranks(buffer))
+
+
 def local_sgd_h1_equals_allreduce(comm):
-    expected = train_mlp(comm, "allreduce")
-    actual = train_mlp(comm, "local-sgd", period=1)
+    """With H = 1 and plain SGD, local SGD is gradient averaging: the parameters are
+    allreduce's. It also averages BatchNorm's running statistics after every step,
+    where allreduce takes rank 0's before each forward: so its buffers are those of
+    allreduce whose ranks average their statistics by hand after every step."""
+    expected = train_mlp(comm, "allreduce", batchnorm=True,
+                         after_optimizer=average_buffers_by_hand)
+    actual = train_mlp(comm, "local-sgd", period=1, batchnorm=True)
+    assert {"1.running_mean", "1.running_var"} <= set(actual), "no buffers to check"
     for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-10, atol=1e-12,
+                                   msg=lambda message: f"{name}: {message}")
     return "ok"
 
 

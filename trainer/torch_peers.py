@@ -69,6 +69,9 @@ class TorchPeer:
         # first (as our strategies say them: trainer.bench times whole periods).
         periodic = name == "ddp-localsgd"
         self.period = period if periodic else 1
+        # Post-local SGD's replicas drift apart between averagings (as our strategies say
+        # it: the run's model is their average); every other peer averages gradients.
+        self.replicas_differ = periodic
         # torch's PowerSGD hook runs plain all-reduce for its first 2 steps.
         self.warmup_steps = {"ddp-localsgd": warmup_steps, "ddp-powersgd": 2}.get(name, 0)
         self.averager = None

@@ -32,6 +32,7 @@ from .local_sgd import averaged_tensors
 class AsyncAverage(SyncStrategy):
     uses_buckets = False
     forward_buffer_sync = False
+    replicas_differ = True  # the model is the average of the replicas
 
     def __init__(self, algorithm: str = "auto"):
         self.algorithm = algorithm

@@ -17,7 +17,10 @@ warmup_steps + period, + 2 period, ... (1 and 0 for those that communicate every
 step); benchmarks time whole periods with them. `forward_buffer_sync` says whether
 rank 0's buffers (BatchNorm statistics) are broadcast before every forward, as DDP
 does; strategies that average buffers themselves, or must not wait for other ranks
-every step, turn it off.
+every step, turn it off. `replicas_differ` says whether the ranks' models may differ
+after a step (local SGD between averagings, gossip, asynchronous averaging): the model
+such a run stands for, the one the trainer evaluates and checkpoints, is then the
+average of the replicas, not any one rank's.
 
 The training loop calls the moments in this order, every optimizer step:
     forward, backward (reduce_bucket for each bucket), after_backward, optimizer.step(),
@@ -51,6 +54,9 @@ class SyncStrategy:
     name = "none"
     uses_buckets = True
     forward_buffer_sync = True
+    # False: every rank holds the same parameters after each step (gradients were
+    # averaged). True: the replicas drift apart, and the run's model is their average.
+    replicas_differ = False
     period = 1
     warmup_steps = 0
     # fp16 AMP: the torch.amp.GradScaler whose loss scale multiplies the gradients the

@@ -26,6 +26,7 @@ from .local_sgd import averaged_tensors
 class Gossip(SyncStrategy):
     uses_buckets = False
     forward_buffer_sync = False
+    replicas_differ = True  # the model is the average of the replicas
 
     def __init__(self, algorithm: str = "auto"):
         pass  # gossip uses point-to-point messages only: no collective algorithm

@@ -29,6 +29,7 @@ def averaged_tensors(model: torch.nn.Module):
 @register("local-sgd")
 class LocalSGD(AllReduce):
     forward_buffer_sync = False  # buffers are averaged with the parameters
+    replicas_differ = True  # the model is the average of the replicas
 
     def __init__(self, period: int = 8, warmup_steps: int = 0, algorithm: str = "auto"):
         super().__init__(algorithm)

@@ -13,15 +13,19 @@
       each epoch:
         train_one_epoch     one pass over this rank's shard: per optimizer step,
                             forward_backward for each micro-batch, then optimizer_step
-        evaluate            accuracy over the whole test split, each rank a slice
+        evaluated_model     a copy of the model the run stands for, the same on every
+                            rank: rank 0's, or the average of the replicas
+        evaluate            its accuracy over the whole test split, each rank a slice
         summarise_epoch     the epoch's figures as one record
         report              rank 0's line, and the record appended to --metrics
-        save_checkpoint     rank 0 writes everything needed to continue
+        save_checkpoint     rank 0 writes everything needed to continue, and the
+                            evaluated model
       finish                close the strategy, merge the trace, the last line
 
 DistributedSampler gives every rank a different shard (reshuffled by set_epoch), the
 model trains with gradients synchronised by the chosen sync strategy, then every rank
-evaluates its own slice of the test split and the counts are summed.
+scores the same evaluated model on its own slice of the test split and the counts are
+summed. Evaluation works on a copy: it never changes what the next epoch trains.
 
 Every rank takes these steps in the same order, so every rank makes the same
 collectives in the same order; and random numbers are drawn in a fixed order from
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import random
@@ -82,14 +87,18 @@ def train(argv=None) -> None:
     run.say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with "
             f"{comm.world_size} rank(s), backend {comm.name}, sync {args.sync}, "
             f"algorithm {args.algorithm}")
+    if run.strategy.replicas_differ:
+        run.say(f"{args.sync} lets the ranks' models differ: each epoch evaluates (and "
+                "checkpoints) their average")
     started, accuracy = time.perf_counter(), 0.0
     for epoch in range(first_epoch, args.epochs + 1):
         trained = train_one_epoch(run, epoch)
-        accuracy, _ = evaluate(run.model, split.test, comm, comm.device, args.batch_size,
+        evaluated = evaluated_model(run)
+        accuracy, _ = evaluate(evaluated, split.test, comm, comm.device, args.batch_size,
                                args.amp)
         report(run, summarise_epoch(run, epoch, trained, accuracy))
         if comm.rank == 0 and args.checkpoint_dir:
-            save_checkpoint(run, epoch)
+            save_checkpoint(run, epoch, evaluated)
         comm.barrier()
         if reached_stop_at(run, accuracy):
             break
@@ -105,7 +114,7 @@ class Run:
     args: argparse.Namespace
     split: data.DataSplit
     comm: Any                      # our communicator: rank, world_size, device, barrier()
-    model: torch.nn.Module         # the bare model: what is evaluated and checkpointed
+    model: torch.nn.Module         # the bare model: this rank's replica, which trains
     ddp: torch.nn.Module           # the model wrapped: our DDP, or torch's for a peer
     strategy: Any                  # the sync strategy, ours or a torch peer
     torch_peer: bool               # --sync ddp*: torch's DDP and comm hook, not ours
@@ -237,10 +246,17 @@ def resume(run: Run, path: str) -> int:
 
 
 def evaluate_checkpoint(run: Run, epoch: int) -> None:
-    """--eval-only: the resumed checkpoint's test accuracy, printed and appended to
-    --metrics (marked eval_only)."""
+    """--eval-only: the test accuracy of the checkpoint's "model", printed and appended to
+    --metrics (marked eval_only).
+
+    "model" is the model that epoch evaluated (see `evaluated_model`), the same on every
+    rank: it is scored as it is, with no averaging, so the figure is exactly the one
+    that epoch printed (on the same number of ranks: each rank scores its slice in
+    batches, and other batch shapes may round differently)."""
     args = run.args
-    accuracy, _ = evaluate(run.model, run.split.test, run.comm, run.comm.device,
+    model = copy.deepcopy(run.model)  # the architecture; the weights come next
+    model.load_state_dict(checkpoint.load(args.resume)["model"])
+    accuracy, _ = evaluate(model, run.split.test, run.comm, run.comm.device,
                            args.batch_size, args.amp)
     run.say(f"checkpoint {args.resume} (epoch {epoch}): test accuracy {accuracy:.2%}")
     if run.comm.rank == 0 and args.metrics:
@@ -358,9 +374,38 @@ def skip_step(run: Run) -> None:
 
 # --- evaluate, report, save ------------------------------------------------------------
 
+def evaluated_model(run: Run) -> torch.nn.Module:
+    """A copy of the model this run stands for, the same on every rank: what each epoch
+    evaluates and checkpoints. The replica that trains is left as it is, so evaluation
+    never changes training.
+
+    Which model that is depends on the strategy:
+    - Gradients averaged every step (allreduce, fp16, bf16, topk, powersgd, delayed,
+      torch's ddp, ddp-fp16, ddp-bf16, ddp-powersgd): the replicas hold the same
+      parameters and differ only in BatchNorm's running statistics, which each rank
+      updated from its own batches. DDP's next forward would take rank 0's, so the
+      copy does: rank 0's model.
+    - Replicas that drift apart (`replicas_differ`: local-sgd between averagings,
+      gossip, async-avg, torch's ddp-localsgd): no rank's replica is the run's model;
+      their average is (what local SGD computes every period, and what gossip and
+      asynchronous averaging converge to). The copy holds the mean over the ranks of
+      the parameters and floating-point buffers; integer buffers (BatchNorm's
+      num_batches_tracked, the same count on every rank) are rank 0's.
+    """
+    model = copy.deepcopy(run.model)  # parameters and buffers; no gradients, no hooks
+    buffers = list(model.buffers())
+    if run.strategy.replicas_differ:
+        averaged = [p.data for p in model.parameters()] + [
+            b for b in buffers if b.is_floating_point()]
+        collectives.all_reduce_coalesced(averaged, op="avg", comm=run.comm)
+        buffers = [b for b in buffers if not b.is_floating_point()]
+    collectives.broadcast_coalesced(buffers, src=0, comm=run.comm)
+    return model
+
+
 def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, amp: str):
-    """(accuracy, mean loss) over the whole test split; each rank takes every n-th image."""
-    collectives.broadcast_coalesced(list(model.buffers()), src=0, comm=comm)  # rank 0's BN stats
+    """(accuracy, mean loss) of `model` over the whole test split: every rank scores the
+    same model on every n-th image, and the counts are summed."""
     mine = Subset(test_set, range(comm.rank, len(test_set), comm.world_size))
     totals = torch.zeros(3, dtype=torch.float64)  # correct, count, summed loss
     model.eval()
@@ -411,12 +456,13 @@ def report(run: Run, record: dict) -> None:
             out.write(json.dumps(record) + "\n")
 
 
-def save_checkpoint(run: Run, epoch: int) -> None:
+def save_checkpoint(run: Run, epoch: int, evaluated: torch.nn.Module) -> None:
     """--checkpoint-dir/checkpoint.pt, written atomically: all that `resume` needs to
-    continue bit for bit, with the flags that made it."""
+    continue bit for bit, with the flags that made it. "model" is the epoch's evaluated
+    model (`evaluated_model`), the one its accuracy belongs to."""
     args = run.args
     checkpoint.save_atomically(
-        {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+        {"model": evaluated.state_dict(), "optimizer": run.optimizer.state_dict(),
          "scaler": run.scaler.state_dict(), "schedule": run.schedule.state_dict(),
          "epoch": epoch, "step": run.step,
          "sampler": {"seed": args.seed, "epoch": epoch},
