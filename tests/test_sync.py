@@ -1,14 +1,17 @@
 """The sync-strategy zoo: exact properties, byte counts, and learning on real MNIST."""
 import os
+from datetime import timedelta
 
 import pytest
+import torch
 
 from checks_sync import (DATA, GRADIENT_STRATEGIES, async_avg_does_not_wait_for_a_slow_rank,
                          byte_counts_match_formulas, delayed_is_one_step_late,
                          delayed_unscales_each_gradient_with_its_own_scale,
                          every_strategy_learns_mnist, gossip_keeps_the_mean,
-                         local_sgd_h1_equals_allreduce, one_bad_gradient_is_forgotten)
+                         local_sgd_h1_equals_allreduce, mlp, one_bad_gradient_is_forgotten)
 from collectives import sync
+from collectives.transport.local import LocalTransport
 from distributed import run_world
 
 
@@ -98,3 +101,82 @@ def test_every_strategy_learns_mnist_within_2_points_of_allreduce():
     assert reference > 0.94, accuracy
     for name in SETTINGS:
         assert accuracy[name] >= reference - 0.02, (name, accuracy)
+
+
+class LossScale:
+    """A stand-in for fp16 AMP's GradScaler: the loss scale a step's gradients carry."""
+
+    def __init__(self, scale):
+        self.scale = scale
+
+    def get_scale(self):
+        return self.scale
+
+
+def unscaled_gradients(name, scales, **options):
+    """What strategy `name` hands the optimizer at each step, unscaled, in a world of one
+    (no launcher: every collective is the identity), when step t's gradients carry the
+    loss scale scales[t]. The gradients themselves are the same seeded ones whatever the
+    scales, so with error feedback kept right the results cannot depend on the scales."""
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=30))
+    model = mlp()
+    params = list(model.parameters())
+    strategy = sync.create(name, algorithm="ring", **options)
+    strategy.setup(model, comm)
+    bucket = torch.zeros(sum(p.numel() for p in params), dtype=torch.float64)  # reused
+    generator = torch.Generator().manual_seed(0)
+    applied = []
+    for scale in scales:
+        strategy.grad_scaler = LossScale(scale)
+        grads = [torch.randn(p.shape, generator=generator, dtype=p.dtype) * scale
+                 for p in params]
+        if strategy.uses_buckets:  # topk: the model's gradients as one bucket
+            bucket.copy_(torch.cat([g.reshape(-1) for g in grads]))
+            strategy.reduce_bucket(bucket)
+            applied.append(bucket / scale)
+        else:  # powersgd
+            for p, g in zip(params, grads):
+                p.grad = g
+            strategy.after_backward(model)
+            applied.append(torch.cat([p.grad.reshape(-1) for p in params]) / scale)
+    return applied
+
+
+@pytest.mark.parametrize("name, options", [("topk", {"ratio": 0.05}), ("powersgd", {"rank": 1})])
+def test_error_feedback_does_not_depend_on_a_changing_loss_scale(name, options):
+    # fp16 AMP's GradScaler doubles its scale after good steps and halves it after an
+    # overflow: a residual left at one scale and added to a gradient at another must be
+    # rescaled. Powers of two scale exactly, so the unscaled results agree to rounding.
+    plain = unscaled_gradients(name, [1.0] * 4, **options)
+    scaled = unscaled_gradients(name, [2.0 ** 10, 2.0 ** 14, 2.0 ** 8, 2.0 ** 12], **options)
+    for step, (expected, actual) in enumerate(zip(plain, scaled), 1):
+        torch.testing.assert_close(actual, expected, rtol=1e-9, atol=0,
+                                   msg=lambda m: f"{name}, step {step}: {m}")
+
+
+def test_topk_residuals_resume_by_bucket_index_in_new_buffers():
+    # A resumed run's buckets live at other addresses: the residuals one strategy saved
+    # must come back to the same buckets of another, by the bucketer's index.
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=30))
+    generator = torch.Generator().manual_seed(0)
+    gradients = [[torch.randn(size, generator=generator) for size in (300, 500)]
+                 for step in range(2)]
+
+    def reduce(strategy, buckets, step):
+        for bucket, gradient in zip(buckets, gradients[step]):
+            bucket.copy_(gradient)
+            strategy.reduce_bucket(bucket)  # in index order, as the bucketer hands them
+        return [bucket.clone() for bucket in buckets]
+
+    straight = sync.create("topk", ratio=0.05)
+    straight.setup(mlp(), comm)
+    buckets = [torch.zeros(300), torch.zeros(500)]
+    reduce(straight, buckets, 0)
+    saved = straight.state_dict()
+    expected = reduce(straight, buckets, 1)
+    resumed = sync.create("topk", ratio=0.05)
+    resumed.setup(mlp(), comm)
+    resumed.load_state_dict(saved)
+    actual = reduce(resumed, [torch.zeros(300), torch.zeros(500)], 1)  # new addresses
+    for index, (a, b) in enumerate(zip(actual, expected)):
+        assert torch.equal(a, b), f"bucket {index} differs after the state moved"

@@ -5,10 +5,11 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
-from checks_trainer import train_then_eval_only
+from checks_trainer import straight_and_resumed, train_then_eval_only
 from collectives.launch.mpirun import find_mpirun
 from collectives.launch.spawn import free_port
 from distributed import run_world
@@ -92,8 +93,66 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     straight = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
     resumed = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
     assert straight["epoch"] == resumed["epoch"] == 2
-    for name, tensor in straight["model"].items():
-        assert torch.equal(tensor, resumed["model"][name]), f"{name} differs after resume"
+    assert_same(straight["model"], resumed["model"], "model")
+    for rank, (expected, actual) in enumerate(zip(straight["ranks"], resumed["ranks"])):
+        assert_same(expected, actual, f"rank {rank}")
+
+
+# Every strategy and torch peer that can resume bit for bit (async-avg cannot: its rounds
+# go at the pace the ranks happen to run), with options that keep state across the epoch
+# boundary. 2 ranks x 24 images / 4 per batch: 6 steps per epoch. Local SGD averages after
+# steps 5, 9 (warm-up 1, period 4): at the save after step 6 the replicas differ, and the
+# warm-up is long over (a resumed run that forgot its steps would average gradients).
+LOCAL_SGD = ["--sync-option", "period=4", "--sync-option", "warmup_steps=1"]
+RESUMABLE = {"allreduce": [], "fp16": [], "bf16": [], "topk": [], "powersgd": [],
+             "delayed": [], "local-sgd": LOCAL_SGD, "gossip": [], "ddp": [],
+             "ddp-collectives": [], "ddp-fp16": [], "ddp-bf16": [], "ddp-powersgd": [],
+             "ddp-localsgd": LOCAL_SGD,
+             "topk --amp fp16": ["--amp", "fp16"]}  # residuals and a changing loss scale
+
+
+def assert_same(straight, resumed, where="checkpoint"):
+    """Bitwise equality of two checkpoint parts, however nested: tensors (torch.equal),
+    numpy arrays and random generators, dicts, lists and plain values."""
+    assert type(straight) is type(resumed), f"{where}: {type(straight)} vs {type(resumed)}"
+    if isinstance(straight, torch.Tensor):
+        assert torch.equal(straight, resumed), f"{where} differs"
+    elif isinstance(straight, dict):
+        assert straight.keys() == resumed.keys(), f"{where}: {straight.keys()} vs {resumed.keys()}"
+        for key in straight:
+            assert_same(straight[key], resumed[key], f"{where}[{key!r}]")
+    elif isinstance(straight, (list, tuple)):
+        assert len(straight) == len(resumed), f"{where}: lengths differ"
+        for index, (a, b) in enumerate(zip(straight, resumed)):
+            assert_same(a, b, f"{where}[{index}]")
+    elif isinstance(straight, np.ndarray):
+        assert np.array_equal(straight, resumed), f"{where} differs"
+    elif isinstance(straight, np.random.RandomState):  # torch's PowerSGD seeds Q from one
+        assert_same(straight.get_state(), resumed.get_state(), where)
+    else:
+        assert straight == resumed, f"{where}: {straight!r} vs {resumed!r}"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(RESUMABLE))
+def test_resume_continues_every_rank_bit_for_bit(case, tmp_path):
+    # Two epochs straight, and the same command resumed from the straight run's epoch-1
+    # checkpoint: every rank's whole state at the end (replica, optimizer, loss scale,
+    # schedule, strategy state, random generators) must be the same, bit for bit.
+    sync = case.split()[0]
+    flags = ["--train-samples", "48", "--test-samples", "16", "--batch-size", "4",
+             "--sync", sync, *RESUMABLE[case]]
+    run_world(straight_and_resumed, 2, (str(tmp_path), flags, 2), timeout=100)
+    straight = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
+    resumed = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=False)
+    assert straight["epoch"] == resumed["epoch"] == 2 and resumed["world_size"] == 2
+    for key in ("model", "step", "test_acc"):
+        assert_same(straight[key], resumed[key], key)
+    for rank, (expected, actual) in enumerate(zip(straight["ranks"], resumed["ranks"])):
+        assert_same(expected, actual, f"rank {rank}")
+    if sync in ("local-sgd", "ddp-localsgd"):  # the replicas did differ at the end
+        assert not torch.equal(straight["ranks"][0]["model"]["0.weight"],
+                               straight["ranks"][1]["model"]["0.weight"])
 
 
 # Strategies whose replicas differ as the epoch ends: local SGD that last averaged a step
@@ -136,6 +195,73 @@ def test_the_accuracy_printed_is_the_checkpoints_and_that_of_the_averaged_replic
     assert "each epoch evaluates (and checkpoints) their average" in printed
 
 
+@pytest.mark.timeout(300)
+def test_eval_only_and_resuming_a_finished_run_report_the_checkpoints_accuracy(tmp_path):
+    run(trainer(*TINY, "--checkpoint-dir", "ckpt", "--metrics", "train.jsonl"), tmp_path)
+    (trained,) = read_metrics(tmp_path / "train.jsonl")
+    out = run(trainer("--test-samples", "32", "--resume", "ckpt/checkpoint.pt", "--eval-only",
+                      "--metrics", "eval.jsonl"), tmp_path)
+    (evaluated,) = read_metrics(tmp_path / "eval.jsonl")
+    assert evaluated["eval_only"] and evaluated["test_acc"] == trained["test_acc"]
+    assert f"test accuracy {trained['test_acc']:.2%}" in out.stdout
+    # The checkpoint ended epoch 1 of --epochs 1: nothing to train, and the last line
+    # gives the accuracy it ended with (not the 0.00% of an epoch never run).
+    out = run(trainer(*TINY, "--resume", "ckpt/checkpoint.pt"), tmp_path)
+    assert "ended epoch 1 of --epochs 1: nothing left to train" in out.stdout, out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith("done in") and f"test accuracy {trained['test_acc']:.2%}" in last
+
+
+# A checkpoint that cannot be resumed, written directly (each keeps what the check needs).
+RESUMABLE_KEYS = {"model": {}, "epoch": 1, "step": 2, "test_acc": 0.5, "args": {}}
+UNRESUMABLE = {
+    "saved by 2 ranks": ({**RESUMABLE_KEYS, "world_size": 2, "ranks": [{}, {}]},
+                         "saved by 2 rank(s), resumed with 1: each rank continues its own "
+                         "state, so resume with 2 rank(s)"),
+    "older format": ({**RESUMABLE_KEYS, "optimizer": {}, "scaler": {}, "rng": {}},
+                     "a checkpoint of an older format (no per-rank states"),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", list(UNRESUMABLE))
+def test_a_checkpoint_that_cannot_be_resumed_is_one_clear_line(case, tmp_path):
+    saved, message = UNRESUMABLE[case]
+    torch.save(saved, tmp_path / "checkpoint.pt")
+    result = run(trainer(*TINY, "--resume", "checkpoint.pt"), tmp_path, check=False)
+    assert result.returncode == 2, f"{result.stdout}\n{result.stderr}"
+    last = result.stderr.strip().splitlines()[-1]
+    assert message in last and "Traceback" not in result.stderr, result.stderr
+
+
+# Saves a checkpoint and is SIGKILLed while torch.save writes it (pickling `Dies`).
+KILLED_DURING_A_SAVE = """
+import os, signal, sys, torch
+from trainer.loop import checkpoint
+
+class Dies:
+    def __reduce__(self):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+checkpoint.save_atomically({"weights": torch.zeros(1 << 20), "dies": Dies()}, sys.argv[1])
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
+    from trainer.loop import checkpoint
+    path = tmp_path / "checkpoint.pt"
+    checkpoint.save_atomically({"version": 1}, str(path))
+    (tmp_path / ".tmp-someone-elses.pt").write_text("not ours")
+    killed = run([sys.executable, "-c", KILLED_DURING_A_SAVE, str(path)], tmp_path, check=False)
+    assert killed.returncode == -9, killed.stderr
+    left = set(os.listdir(tmp_path)) - {"checkpoint.pt", ".tmp-someone-elses.pt"}
+    assert len(left) == 1, f"the killed save left {left}"
+    checkpoint.save_atomically({"version": 2}, str(path))
+    assert sorted(os.listdir(tmp_path)) == [".tmp-someone-elses.pt", "checkpoint.pt"]
+    assert checkpoint.load(str(path))["version"] == 2
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("flags, message", [
     (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
@@ -164,8 +290,8 @@ def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path
 
 
 def assert_every_step_applied(saved, steps):
-    """The optimizer stepped (SGD keeps a momentum buffer only after its first step)
-    and nothing it holds is non-finite."""
+    """In one rank's part of a checkpoint: the optimizer stepped (SGD keeps a momentum
+    buffer only after its first step) and nothing it holds is non-finite."""
     buffers = [state["momentum_buffer"] for state in saved["optimizer"]["state"].values()]
     assert buffers, "the optimizer never stepped"
     for name, tensor in [*saved["model"].items(), *enumerate(buffers)]:
@@ -193,6 +319,20 @@ def test_mixed_precision_learns(amp, tmp_path):
         assert saved["scaler"]["scale"] == 2.0 ** 16, saved["scaler"]
     else:  # bf16 has fp32's range: no loss scale
         assert saved["scaler"] == {}, saved["scaler"]
+
+
+def test_mixed_precision_runs(amp, tmp_path):
+    # One step and one test batch: autocast on the CPU is slow (16-bit convolutions)
+    out = run(trainer("--train-samples", "4", "--test-samples", "4", "--batch-size", "4",
+                      "--epochs", "1", "--amp", amp, "--metrics", "m.jsonl",
+                      "--checkpoint-dir", "ckpt"), tmp_path)
+    (record,) = read_metrics(tmp_path / "m.jsonl")
+    assert record["train_loss"] == record["train_loss"], "loss is NaN"  # NaN != NaN
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)["ranks"][0]
+    assert_every_step_applied(saved, steps=1)
+    if amp == "fp16":
+        assert saved["scaler"]["scale"] == 2.0 ** 16, "the loss scale fell: a step was skipped"
+    assert "done in" in out.stdout
 
 
 # The trainer, with the gradient of the first step's output replaced by inf: what an fp16
@@ -230,7 +370,7 @@ def test_fp16_training_recovers_from_an_overflow(sync, tmp_path):
     run([sys.executable, "-c", OVERFLOW_IN_FIRST_BACKWARD, "--train-samples", "6",
          "--test-samples", "2", "--batch-size", "2", "--epochs", "1", "--amp", "fp16",
          "--sync", sync, "--checkpoint-dir", "ckpt"], tmp_path)
-    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)["ranks"][0]
     scale = saved["scaler"]["scale"]
     assert scale == 2.0 ** 15, f"loss scale 2^{math.log2(scale):g} after 3 steps, not 2^15"
     assert_every_step_applied(saved, steps=2)

@@ -9,7 +9,8 @@ The loop (trainer/loop/), what `python -m trainer` runs:
                     evaluate, report and save
     data.py         the embedded dataset, and torchvision's
     models.py       torchvision ResNets with a stem for small images
-    checkpoint.py   atomic checkpoints holding every random generator's state
+    checkpoint.py   atomic checkpoints holding every rank's state (model, optimizer,
+                    strategy, random generators), gathered on rank 0
 
 The study around it (here), what the loop is measured and compared with:
     bench.py        `python -m trainer.bench`: throughput of each sync strategy beside
@@ -18,6 +19,7 @@ The study around it (here), what the loop is measured and compared with:
                     any launcher or on the emulated cluster, and tabulates accuracy
                     against time and bytes
     torch_peers.py  torch's own DDP and comm hooks, driven like our strategies
+    powersgd_layout.py  torch's PowerSGD state moved along when DDP re-lays its buckets
     timing.py       waited-on-communication and bytes sent, measured alike for ours and
                     torch's
 

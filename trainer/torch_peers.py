@@ -31,11 +31,18 @@ Where torch's computation differs from ours, by design of each library:
   buffers before each forward; ours averages parameters and buffers together. Both
   average after steps W+H, W+2H, ... (torch's averager is given warmup W+H-1 for
   that: by itself it would average after step W+1 first).
+
+A checkpoint keeps what torch's hooks carry across steps, so that a resumed run goes on
+bit for bit (state_dict / load_state_dict, as our strategies): ddp-powersgd's
+PowerSGDState (its step count, error and P/Q memories per bucket, and the random
+generator that seeds new Q's), with the bucket layout they are in (a resumed DDP lays
+its buckets out anew: powersgd_layout.py), and ddp-localsgd's step counts (the hook's, which ends
+the warm-up, and the averager's, which times the averaging).
 """
 from __future__ import annotations
 
 import time
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -45,6 +52,7 @@ from torch.distributed.algorithms.model_averaging import averagers
 
 from collectives import trace
 from collectives.transport.base import Traffic
+from .powersgd_layout import LayoutKeeper
 
 # peer name -> the name of our strategy that computes the same thing
 OURS = {"ddp": "allreduce", "ddp-collectives": "allreduce", "ddp-fp16": "fp16", "ddp-bf16": "bf16",
@@ -79,6 +87,7 @@ class TorchPeer:
         # of its transport: every byte it sends, by shared memory or by network. None
         # for gloo's peers, whose bytes only the kernel sees (trainer/timing.py).
         self.traffic: Optional[Traffic] = None
+        self.hook_state = None  # the state torch's hook keeps across steps, if it has one
 
     def wrap(self, model: torch.nn.Module, bucket_cap_mb: float = 25.0,
              observed: bool = False) -> torch.nn.Module:
@@ -111,7 +120,10 @@ class TorchPeer:
                 process_group=None, matrix_approximation_rank=self.rank,
                 start_powerSGD_iter=2, use_error_feedback=True, warm_start=True,
                 random_seed=self.seed)
-            hook = powerSGD_hook.powerSGD_hook
+            # torch's hook, with its state kept in step with DDP's bucket layout: it
+            # changes after a resumed run's first step (powersgd_layout.py)
+            self.layout_keeper = LayoutKeeper(model, state)
+            hook = self.layout_keeper.hook
         elif self.name == "ddp-localsgd":
             state = post_localSGD_hook.PostLocalSGDState(
                 process_group=None, subgroup=None, start_localSGD_iter=self.warmup_steps,
@@ -119,6 +131,8 @@ class TorchPeer:
             hook = post_localSGD_hook.post_localSGD_hook
             self.averager = averagers.PeriodicModelAverager(
                 period=self.period, warmup_steps=self.warmup_steps + self.period - 1)
+        if self.name in ("ddp-powersgd", "ddp-localsgd"):
+            self.hook_state = state
         if hook is not None:
             wrapped.register_comm_hook(state, self._observed(hook) if observed else hook)
         self.module = model
@@ -148,6 +162,33 @@ class TorchPeer:
 
     def close(self) -> None:
         """Nothing in flight: every torch collective here is waited on inside the step."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What torch's hook and averager carry across steps; empty for the other peers.
+
+        PowerSGDState: every slot but the process group, which is what torch's own
+        __getstate__ returns (without the warning it logs each time)."""
+        if self.name == "ddp-powersgd":
+            return {"powersgd": {slot: getattr(self.hook_state, slot)
+                                 for slot in self.hook_state.__slots__
+                                 if slot != "process_group"},
+                    "layouts": dict(self.layout_keeper.layouts)}
+        if self.name == "ddp-localsgd":
+            return {"hook_iter": self.hook_state.iter, "averager_step": self.averager.step}
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from a state_dict() of the same peer (after wrap())."""
+        if self.name == "ddp-powersgd":
+            device = next(self.module.parameters()).device  # a checkpoint loads on the CPU
+            for slot, value in state["powersgd"].items():
+                if isinstance(value, dict):  # error_dict, p_memory_dict, q_memory_dict
+                    value = {key: tensor.to(device) for key, tensor in value.items()}
+                setattr(self.hook_state, slot, value)
+            self.layout_keeper.layouts = dict(state["layouts"])
+        elif self.name == "ddp-localsgd":
+            self.hook_state.iter = state["hook_iter"]
+            self.averager.step = state["averager_step"]
 
 
 def _transport_traffic(group: dist.ProcessGroup) -> Traffic:

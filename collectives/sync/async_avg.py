@@ -13,6 +13,12 @@ Stopping: every round carries a "still training" flag. A rank that finishes keep
 joining rounds (flag 0) until a round shows someone stopped; every rank then stops
 after that same round, so none waits forever in a collective.
 
+Checkpoint: nothing beyond each rank's own replica (the model the trainer saves for
+every rank). A resumed run cannot continue bit for bit whatever is saved: which steps a
+round spans depends on how fast each rank's thread happened to run, so even two
+uninterrupted runs differ. Saving the round in flight would buy nothing: the next run
+starts a fresh round at its first step, as a run does after any round.
+
 Literature: asynchronous model averaging in the style of Zhang et al., "Deep Learning
 with Elastic Averaging SGD" (NeurIPS 2015) and Lian et al., "Asynchronous
 Decentralized Parallel SGD" (ICML 2018), which report near-synchronous accuracy with

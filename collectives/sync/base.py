@@ -10,6 +10,12 @@ is one small class that acts at some of them:
 
     close()                    training is over: finish anything still in flight
 
+    state_dict()               a checkpoint is being written: what this rank's strategy
+                               carries from one step to the next (and must get back
+                               to continue bit for bit), as tensors and numbers
+    load_state_dict(state)     a run resumes: take back what state_dict() returned,
+                               after setup() and before the first step
+
 `uses_buckets` says whether gradients should be bucketed and reduced during backward at
 all (local SGD, for example, trains locally and averages parameters in after_step).
 `period` and `warmup_steps` say when a periodic strategy communicates: after steps
@@ -34,14 +40,24 @@ feedback, a warm start) must take a step into that state only when the step's
 and make every later step non-finite. The reduced values are the same on every rank,
 so every rank makes the same decision without asking the others. A strategy that
 applies a gradient at a later step also needs the loss scale it carries
-(`gradient_scale`): fp16 AMP changes the scale between steps.
+(`gradient_scale`): fp16 AMP changes the scale between steps. So state kept across
+steps is stored unscaled (divided by the scale of the step that made it) and multiplied
+by the current step's scale when it is used.
+
+State across steps is also what a checkpoint must keep. Each rank saves its own
+strategy's state_dict() (the ranks' states differ: top-k residuals, a local-SGD
+replica's drift), and a resumed run gives each rank its own back. A strategy whose
+state is empty (allreduce, fp16, bf16, gossip) needs nothing beyond the defaults: the
+model and optimizer that the trainer saves are all it has. The state holds no
+communicator, thread or process-local key (a tensor's address means nothing in the
+next process): what it names, it names by position, such as a bucket's index.
 
 A strategy talks only through the collectives and the transport (`self.comm`), and the
 transport's counters say what it sent. Register a new one with `@register("name")`.
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, Type
+from typing import Any, Callable, Dict, Iterable, Type
 
 import torch
 
@@ -87,6 +103,15 @@ class SyncStrategy:
 
     def close(self) -> None:
         """Training is over: wait for (or cancel) anything still in flight."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What this rank's strategy carries across steps, for a checkpoint (between two
+        steps, on every rank). Nothing, unless a subclass keeps something."""
+        return {}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from `state`, a state_dict() of this strategy saved by the same rank
+        of an earlier run; called after setup(), before the first step."""
 
 
 def finite(tensors: Iterable[torch.Tensor]) -> bool:

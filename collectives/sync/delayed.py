@@ -18,8 +18,16 @@ Literature: the "delayed gradient" / one-step-stale schemes studied by Zheng et 
 "Asynchronous SGD with Delay Compensation" (ICML 2017) and used by PipeDream (Harlap et
 al., 2018) report accuracy close to synchronous SGD for a delay of one step at
 moderate learning rates.
+
+Checkpoint: the gradient in flight is this strategy's state. state_dict() waits for its
+all-reduce and saves the average with its scale; after load_state_dict() the next
+after_backward applies it as if it had just arrived, so a resumed run continues with
+the same one-step-late gradients as one that never stopped.
 """
 from __future__ import annotations
+
+import threading
+from typing import Any, Dict
 
 import torch
 
@@ -67,6 +75,22 @@ class Delayed(SyncStrategy):
         for p in params:  # the optimizer applies last step's average
             p.grad = previous[offset:offset + p.numel()].view_as(p).clone()
             offset += p.numel()
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The gradient in flight, averaged (its all-reduce is waited for), and its scale;
+        empty before the first step."""
+        if not self.in_flight:
+            return {}
+        average, scale = self._wait_in_flight()
+        return {"gradient": average, "scale": scale}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Put a saved gradient back in flight, its all-reduce already done."""
+        if "gradient" in state:
+            arrived = threading.Event()
+            arrived.set()
+            device = next(self.model.parameters()).device  # a checkpoint loads on the CPU
+            self.in_flight = (state["gradient"].to(device, copy=True), state["scale"], arrived)
 
     def close(self) -> None:
         if self.in_flight:

@@ -10,6 +10,9 @@ The mixing matrix is doubly stochastic, so the mean of the parameters over ranks
 unchanged by gossip: the ranks' average follows plain SGD on the average gradient,
 while consensus spreads around the ring a hop per step.
 
+Checkpoint: gossip keeps no state between steps; each rank's replica (they differ
+until consensus) is the model the trainer saves for every rank.
+
 Literature: Lian et al., "Can Decentralized Algorithms Outperform Centralized
 Algorithms?" (D-PSGD, NeurIPS 2017) show the same convergence rate as centralized
 SGD; Assran et al., "Stochastic Gradient Push" (ICML 2019) scale it to 256 GPUs.

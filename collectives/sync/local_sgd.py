@@ -10,8 +10,14 @@ Lin et al., "Don't Use Large Mini-Batches, Use Local SGD" (ICLR 2020) introduce
 post-local SGD (synchronous warm-up first) and report it matching or beating
 large-batch SGD accuracy on CIFAR/ImageNet ResNets with H up to 16, at 1/H of the
 communication rounds. With H = 1 and plain SGD it is exactly gradient averaging.
+
+Checkpoint: the count of steps done (it decides whether a step is still warm-up); each
+rank's replica, which differs from the others' between two averagings, is the model
+the trainer saves for every rank.
 """
 from __future__ import annotations
+
+from typing import Any, Dict
 
 import torch
 
@@ -49,3 +55,11 @@ class LocalSGD(AllReduce):
         if step > self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
             api.all_reduce_coalesced(averaged_tensors(model), op="avg",
                                      algorithm=self.algorithm, comm=self.comm)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The optimizer steps done: before its first after_step, a resumed run would
+        otherwise take itself for one still in warm-up."""
+        return {"steps_done": self.steps_done}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.steps_done = state["steps_done"]

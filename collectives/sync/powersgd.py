@@ -14,7 +14,11 @@ Q is kept for the next step (warm start: one power-iteration step per training s
 tracks the gradient's top-r subspace). All P's travel in one all-reduce and all Q's in
 another. Q starts from the same seeded random matrix on every rank. A step whose reduced
 gradients are not finite (an fp16 overflow) is passed on for the loop to skip, and
-leaves Q and the error as they were.
+leaves Q and the error as they were. With fp16 AMP the error is kept unscaled (divided
+by the loss scale of the step that left it) and multiplied by the scale of the step it
+is added to: the GradScaler's scale may change in between. Q needs no such care: P is
+orthonormalised, so Q's length never reaches the gradient. A checkpoint saves Q and the
+error by parameter index (the order of model.parameters() that need gradients).
 
 Literature: Vogels, Karimireddy, Jaggi, "PowerSGD: Practical Low-Rank Gradient
 Compression for Distributed Optimization" (NeurIPS 2019): rank 2 reaches the test
@@ -22,7 +26,7 @@ accuracy of full SGD on CIFAR-10 ResNet-18 while sending ~100x fewer bytes.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import Any, Dict, List
 
 import torch
 
@@ -62,7 +66,8 @@ class PowerSGD(SyncStrategy):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
         compressed = set(self.compressed)
         self._mean([g for i, g in enumerate(grads) if i not in compressed])
-        matrices = {i: grads[i].reshape(grads[i].shape[0], -1) + self.errors[i]
+        scale = self.gradient_scale()  # the error is kept unscaled: rescale it to this step
+        matrices = {i: grads[i].reshape(grads[i].shape[0], -1) + self.errors[i] * scale
                     for i in self.compressed}
         ps = {i: matrices[i] @ self.qs[i] for i in self.compressed}
         self._mean(list(ps.values()))
@@ -83,4 +88,18 @@ class PowerSGD(SyncStrategy):
         # GradScaler) sees the overflow and skips this step.
         if finite(grads):
             self.qs = qs
-            self.errors = {i: matrices[i] - approximations[i] for i in self.compressed}
+            self.errors = {i: (matrices[i] - approximations[i]).div_(scale)
+                           for i in self.compressed}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Q (the warm start) and the error (unscaled) of each compressed parameter, by
+        its index among the parameters that need gradients."""
+        return {"qs": dict(self.qs), "errors": dict(self.errors)}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        for saved, kept in ((state["qs"], self.qs), (state["errors"], self.errors)):
+            if set(saved) != set(kept):
+                raise ValueError(f"powersgd: the checkpoint compresses parameters "
+                                 f"{sorted(saved)}, this model {sorted(kept)}")
+            for index, tensor in saved.items():  # a checkpoint loads on the CPU
+                kept[index] = tensor.to(kept[index].device, kept[index].dtype)

@@ -5,18 +5,29 @@ A checkpoint is written to a temporary file in the same folder, flushed to disk
 crash leaves either the old checkpoint or the new one, never half of one. The folder
 is fsynced too, so the rename itself survives a power loss.
 
-It holds everything needed to continue exactly where training stopped: model,
-optimizer, gradient scaler, the epoch, and every random number generator's state.
+A kill during a save leaves its temporary file behind (a process that is SIGKILLed
+cleans nothing up). Temporaries are named after the checkpoint they become
+(`.checkpoint.pt.tmp-XXXX`), so the next save of that checkpoint removes the ones it
+finds, and nothing else: one writer per checkpoint file, as the trainer's rank 0 is.
+
+It holds everything needed to continue exactly where training stopped, for every rank:
+each rank's own model, optimizer, gradient scaler, sync strategy state and random
+generators (the ranks' replicas and states differ under local SGD, gossip or error
+feedback), with the epoch and step. Only rank 0 writes: the other ranks' states reach
+it through the communicator (`gather_on_rank_0`).
 """
 from __future__ import annotations
 
+import io
 import os
 import random
 import tempfile
-from typing import Any, Dict
+from typing import Any, Dict, List, Optional
 
 import numpy as np
 import torch
+
+from collectives.api import gather_rows
 
 
 def rng_state() -> Dict[str, Any]:
@@ -35,11 +46,65 @@ def restore_rng_state(state: Dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def gather_on_rank_0(comm, state: Any) -> Optional[List[Any]]:
+    """Every rank's `state`, in rank order, on rank 0; None on the other ranks.
+
+    Collective: every rank calls it. A state is any object torch.save can write (tensors
+    on any device, numbers, dicts); it travels as its torch.save bytes in a uint8 tensor.
+    One small all-reduce tells rank 0 every rank's byte count (gather_rows), then each
+    other rank sends its bytes and rank 0 receives them, one rank after another:
+
+        rank 0 <- rank 1's bytes, then rank 2's, ...       (rank 0's own stays as it is)
+
+    Rank 0 holds every state at once, as the file it writes will.
+    """
+    if comm.world_size == 1:
+        return [state]
+    serialised = b""
+    if comm.rank != 0:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        serialised = buffer.getvalue()
+    sizes = [row[0] for row in gather_rows(comm, [len(serialised)])]
+    if comm.rank != 0:
+        comm.send(torch.frombuffer(bytearray(serialised), dtype=torch.uint8), 0)
+        return None
+    states = [state]
+    for peer in range(1, comm.world_size):
+        received = torch.empty(sizes[peer], dtype=torch.uint8)
+        comm.recv(received, peer)
+        states.append(torch.load(io.BytesIO(received.numpy().tobytes()), map_location="cpu",
+                                 weights_only=False))
+    return states
+
+
+def temporary_prefix(path: str) -> str:
+    """How the temporary files of a save of `path` begin: `.NAME.tmp-`."""
+    return f".{os.path.basename(path)}.tmp-"
+
+
+def remove_stale_temporaries(path: str) -> List[str]:
+    """Remove the temporary files an interrupted save of `path` left in its folder (only
+    ours: named with temporary_prefix(path)); returns the names removed."""
+    folder, prefix = os.path.dirname(os.path.abspath(path)), temporary_prefix(path)
+    removed = []
+    for name in os.listdir(folder):
+        if name.startswith(prefix):
+            try:
+                os.unlink(os.path.join(folder, name))
+                removed.append(name)
+            except FileNotFoundError:
+                pass
+    return removed
+
+
 def save_atomically(state: Dict[str, Any], path: str) -> None:
-    """torch.save `state` to `path` so that a crash never leaves a broken file there."""
+    """torch.save `state` to `path` so that a crash never leaves a broken file there;
+    temporaries that an earlier, killed save of `path` left behind are removed first."""
     folder = os.path.dirname(os.path.abspath(path))
     os.makedirs(folder, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(prefix=".tmp-", suffix=".pt", dir=folder)
+    remove_stale_temporaries(path)
+    handle, temporary = tempfile.mkstemp(prefix=temporary_prefix(path), dir=folder)
     try:
         with os.fdopen(handle, "wb") as out:
             torch.save(state, out)
@@ -58,4 +123,5 @@ def save_atomically(state: Dict[str, Any], path: str) -> None:
 
 
 def load(path: str) -> Dict[str, Any]:
+    """A checkpoint as save_atomically wrote it, every tensor on the CPU."""
     return torch.load(path, map_location="cpu", weights_only=False)

@@ -3,12 +3,14 @@
     train(argv)
       parse_args            the flags (cli.py); a bad one ends the run here, exit 2
       load_inputs           the train and test splits, and the checkpoint to resume from:
-                            a missing file ends the run before any rank connects
+                            a missing or unusable file ends the run before any rank
+                            connects
       connect               the communicator: this rank, the world, the device
       setup -> Run          model, DDP (ours with a sync strategy, or a torch peer),
                             optimizer, gradient scaler, sampler and loader, schedule
-      resume                (--resume) weights, optimizer, scaler, schedule, step count and
-                            every random generator, as the checkpoint left them
+      resume                (--resume) each rank's own weights, optimizer, scaler,
+                            schedule, strategy state and random generators, and the step
+                            count, as the checkpoint left them
       evaluate_checkpoint   (--eval-only) the checkpoint's test accuracy, and stop
       each epoch:
         train_one_epoch     one pass over this rank's shard: per optimizer step,
@@ -18,8 +20,8 @@
         evaluate            its accuracy over the whole test split, each rank a slice
         summarise_epoch     the epoch's figures as one record
         report              rank 0's line, and the record appended to --metrics
-        save_checkpoint     rank 0 writes everything needed to continue, and the
-                            evaluated model
+        save_checkpoint     every rank's state, gathered on rank 0, which writes them
+                            with the evaluated model
       finish                close the strategy, merge the trace, the last line
 
 DistributedSampler gives every rank a different shard (reshuffled by set_epoch), the
@@ -42,7 +44,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, NoReturn, Tuple
+from typing import Any, List, NamedTuple, NoReturn, Optional, Tuple
 
 import numpy as np
 import torch
@@ -72,33 +74,37 @@ def main(argv=None) -> None:
 def train(argv=None) -> None:
     """One run, as its steps: set up, resume or evaluate a checkpoint, then the epochs."""
     args = parse_args(argv)  # a bad flag: argparse's error, exit 2
-    split = load_inputs(args)
+    split, saved = load_inputs(args)
     comm = connect(args)
     run = setup(args, split, comm)
-    first_epoch = 1
-    if args.resume:
-        saved_epoch = resume(run, args.resume)
+    first_epoch, accuracy = 1, 0.0
+    if saved is not None:
         if args.eval_only:
-            evaluate_checkpoint(run, saved_epoch)
+            evaluate_checkpoint(run, saved)
             collectives.destroy()
             return
-        first_epoch = saved_epoch + 1
+        resume(run, saved)
+        first_epoch, accuracy = saved["epoch"] + 1, saved["test_acc"]
 
-    run.say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with "
-            f"{comm.world_size} rank(s), backend {comm.name}, sync {args.sync}, "
-            f"algorithm {args.algorithm}")
-    if run.strategy.replicas_differ:
-        run.say(f"{args.sync} lets the ranks' models differ: each epoch evaluates (and "
-                "checkpoints) their average")
-    started, accuracy = time.perf_counter(), 0.0
+    if first_epoch > args.epochs:  # the last line gives the checkpoint's accuracy
+        run.say(f"--resume {args.resume}: the checkpoint ended epoch {saved['epoch']} "
+                f"of --epochs {args.epochs}: nothing left to train")
+    else:
+        run.say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with "
+                f"{comm.world_size} rank(s), backend {comm.name}, sync {args.sync}, "
+                f"algorithm {args.algorithm}")
+        if run.strategy.replicas_differ:
+            run.say(f"{args.sync} lets the ranks' models differ: each epoch evaluates (and "
+                    "checkpoints) their average")
+    started = time.perf_counter()
     for epoch in range(first_epoch, args.epochs + 1):
         trained = train_one_epoch(run, epoch)
         evaluated = evaluated_model(run)
         accuracy, _ = evaluate(evaluated, split.test, comm, comm.device, args.batch_size,
                                args.amp)
         report(run, summarise_epoch(run, epoch, trained, accuracy))
-        if comm.rank == 0 and args.checkpoint_dir:
-            save_checkpoint(run, epoch, evaluated)
+        if args.checkpoint_dir:  # collective: every rank's state goes to rank 0
+            save_checkpoint(run, epoch, evaluated, accuracy)
         comm.barrier()
         if reached_stop_at(run, accuracy):
             break
@@ -140,16 +146,43 @@ def fail(message: str) -> NoReturn:
     sys.exit(2)
 
 
-def load_inputs(args: argparse.Namespace) -> data.DataSplit:
-    """The dataset's splits, with the --resume checkpoint checked to exist: everything
-    that can be wrong is checked before any rank connects or writes anything."""
+def load_inputs(args: argparse.Namespace) -> Tuple[data.DataSplit, Optional[dict]]:
+    """The dataset's splits, and the --resume checkpoint (None without one), read and
+    checked: everything that can be wrong is checked before any rank connects or writes
+    anything."""
     try:
         split = data.load(args.dataset, args.data_dir, args.train_samples, args.test_samples)
     except data.DatasetMissing as error:
         fail(str(error))
-    if args.resume and not os.path.isfile(args.resume):
+    if not args.resume:
+        return split, None
+    if not os.path.isfile(args.resume):
         fail(f"--resume {args.resume}: no such checkpoint file")
-    return split
+    return split, read_checkpoint(args.resume, args.eval_only)
+
+
+# What a checkpoint must hold to be resumed, and, for each rank, in "ranks".
+CHECKPOINT_KEYS = ("model", "epoch", "step", "world_size", "test_acc", "ranks")
+RANK_KEYS = ("model", "optimizer", "scaler", "schedule", "strategy", "rng")
+
+
+def read_checkpoint(path: str, eval_only: bool) -> dict:
+    """The checkpoint at `path`, checked to hold what --resume (or --eval-only, which
+    needs only the model and its epoch) will read. A checkpoint of an older format
+    (one state for all ranks, no "ranks") is refused with a clear line."""
+    try:
+        saved = checkpoint.load(path)
+    except Exception as error:  # not a file torch.save wrote: say so, not a traceback
+        fail(f"--resume {path}: not a checkpoint this trainer can read "
+             f"({type(error).__name__}: {error})")
+    needed = ("model", "epoch") if eval_only else CHECKPOINT_KEYS
+    missing = [key for key in needed if not isinstance(saved, dict) or key not in saved]
+    if "ranks" in missing and "model" not in missing:
+        fail(f"--resume {path}: a checkpoint of an older format (no per-rank states, "
+             "\"ranks\"): it can be evaluated with --eval-only but not resumed")
+    if missing:
+        fail(f"--resume {path}: not a trainer checkpoint (it lacks {', '.join(missing)})")
+    return saved
 
 
 def connect(args: argparse.Namespace):
@@ -232,20 +265,30 @@ def lr_schedule(args: argparse.Namespace, optimizer: torch.optim.Optimizer,
 
 # --- resume ----------------------------------------------------------------------------
 
-def resume(run: Run, path: str) -> int:
-    """Continue from a checkpoint: weights, optimizer, loss scale, schedule, step count,
-    and every random generator as it was; returns the epoch the checkpoint ended."""
-    saved = checkpoint.load(path)
-    run.model.load_state_dict(saved["model"])
-    run.optimizer.load_state_dict(saved["optimizer"])
-    run.scaler.load_state_dict(saved["scaler"])
-    run.schedule.load_state_dict(saved["schedule"])
+def resume(run: Run, saved: dict) -> None:
+    """Continue from a checkpoint: each rank takes back its own weights, optimizer, loss
+    scale, schedule, strategy state and random generators, and the step count.
+
+    The world size must be the one that saved it. Each rank continues its own replica,
+    its own error feedback, its own shard of the data (the sampler deals the images by
+    rank and world size): with another number of ranks none of these has a sound
+    counterpart, so such a resume ends the run here, before training."""
+    world, path = run.comm.world_size, run.args.resume
+    if saved["world_size"] != world:
+        fail(f"--resume {path}: saved by {saved['world_size']} rank(s), resumed with "
+             f"{world}: each rank continues its own state, so resume with "
+             f"{saved['world_size']} rank(s)")
+    mine = saved["ranks"][run.comm.rank]
+    run.model.load_state_dict(mine["model"])
+    run.optimizer.load_state_dict(mine["optimizer"])
+    run.scaler.load_state_dict(mine["scaler"])
+    run.schedule.load_state_dict(mine["schedule"])
+    run.strategy.load_state_dict(mine["strategy"])
     run.step = saved["step"]
-    checkpoint.restore_rng_state(saved["rng"])
-    return saved["epoch"]
+    checkpoint.restore_rng_state(mine["rng"])
 
 
-def evaluate_checkpoint(run: Run, epoch: int) -> None:
+def evaluate_checkpoint(run: Run, saved: dict) -> None:
     """--eval-only: the test accuracy of the checkpoint's "model", printed and appended to
     --metrics (marked eval_only).
 
@@ -253,9 +296,9 @@ def evaluate_checkpoint(run: Run, epoch: int) -> None:
     rank: it is scored as it is, with no averaging, so the figure is exactly the one
     that epoch printed (on the same number of ranks: each rank scores its slice in
     batches, and other batch shapes may round differently)."""
-    args = run.args
+    args, epoch = run.args, saved["epoch"]
     model = copy.deepcopy(run.model)  # the architecture; the weights come next
-    model.load_state_dict(checkpoint.load(args.resume)["model"])
+    model.load_state_dict(saved["model"])
     accuracy, _ = evaluate(model, run.split.test, run.comm, run.comm.device,
                            args.batch_size, args.amp)
     run.say(f"checkpoint {args.resume} (epoch {epoch}): test accuracy {accuracy:.2%}")
@@ -456,17 +499,29 @@ def report(run: Run, record: dict) -> None:
             out.write(json.dumps(record) + "\n")
 
 
-def save_checkpoint(run: Run, epoch: int, evaluated: torch.nn.Module) -> None:
-    """--checkpoint-dir/checkpoint.pt, written atomically: all that `resume` needs to
-    continue bit for bit, with the flags that made it. "model" is the epoch's evaluated
-    model (`evaluated_model`), the one its accuracy belongs to."""
+def rank_state(run: Run) -> dict:
+    """This rank's own part of a checkpoint: what differs between ranks, or may."""
+    return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
+            "scaler": run.scaler.state_dict(), "schedule": run.schedule.state_dict(),
+            "strategy": run.strategy.state_dict(), "rng": checkpoint.rng_state()}
+
+
+def save_checkpoint(run: Run, epoch: int, evaluated: torch.nn.Module,
+                    accuracy: float) -> None:
+    """--checkpoint-dir/checkpoint.pt, written atomically by rank 0: all that `resume`
+    needs to continue bit for bit, every rank's state in "ranks", with the flags that
+    made it; "model" is the epoch's evaluated model (`evaluated_model`), the one its
+    accuracy belongs to (--eval-only reads it).
+
+    Collective: every rank calls it, and sends its state to rank 0."""
     args = run.args
+    ranks = checkpoint.gather_on_rank_0(run.comm, rank_state(run))
+    if run.comm.rank != 0:
+        return
     checkpoint.save_atomically(
-        {"model": evaluated.state_dict(), "optimizer": run.optimizer.state_dict(),
-         "scaler": run.scaler.state_dict(), "schedule": run.schedule.state_dict(),
-         "epoch": epoch, "step": run.step,
-         "sampler": {"seed": args.seed, "epoch": epoch},
-         "rng": checkpoint.rng_state(), "args": vars(args)},
+        {"model": evaluated.state_dict(), "epoch": epoch, "step": run.step,
+         "args": vars(args), "world_size": run.comm.world_size, "test_acc": accuracy,
+         "ranks": ranks},
         os.path.join(args.checkpoint_dir, "checkpoint.pt"))
 
 
