@@ -313,26 +313,12 @@ def test_mixed_precision_learns(amp, tmp_path):
                 "--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"), tmp_path)
     first, second = (record["train_loss"] for record in read_metrics(tmp_path / "m.jsonl"))
     assert second < 0.5 * first, f"{amp}: the loss went from {first:.3f} to {second:.3f}"
-    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)
+    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)["ranks"][0]
     assert_every_step_applied(saved, steps=2)
     if amp == "fp16":  # the losses were scaled by GradScaler's 2^16, and nothing overflowed
         assert saved["scaler"]["scale"] == 2.0 ** 16, saved["scaler"]
     else:  # bf16 has fp32's range: no loss scale
         assert saved["scaler"] == {}, saved["scaler"]
-
-
-def test_mixed_precision_runs(amp, tmp_path):
-    # One step and one test batch: autocast on the CPU is slow (16-bit convolutions)
-    out = run(trainer("--train-samples", "4", "--test-samples", "4", "--batch-size", "4",
-                      "--epochs", "1", "--amp", amp, "--metrics", "m.jsonl",
-                      "--checkpoint-dir", "ckpt"), tmp_path)
-    (record,) = read_metrics(tmp_path / "m.jsonl")
-    assert record["train_loss"] == record["train_loss"], "loss is NaN"  # NaN != NaN
-    saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)["ranks"][0]
-    assert_every_step_applied(saved, steps=1)
-    if amp == "fp16":
-        assert saved["scaler"]["scale"] == 2.0 ** 16, "the loss scale fell: a step was skipped"
-    assert "done in" in out.stdout
 
 
 # The trainer, with the gradient of the first step's output replaced by inf: what an fp16
