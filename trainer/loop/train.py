@@ -56,7 +56,7 @@ from tqdm import tqdm
 import collectives
 from collectives import trace
 from .. import torch_peers
-from ..timing import SentBytes, WaitClock, background_comm_seconds
+from ..timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 from . import checkpoint, data
 from .cli import create_sync, parse_args
 from .models import build_model
@@ -323,7 +323,8 @@ class EpochTrained(NamedTuple):
 def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
     """One pass over this rank's shard: each optimizer step is --accum-steps
     micro-batches, forward and backward, then the step; an incomplete last step is
-    dropped."""
+    dropped. The epoch ends when its background communication has (delayed's last
+    all-reduce, async-avg's round): its bytes and seconds are this epoch's."""
     args, device = run.args, run.comm.device
     run.sampler.set_epoch(epoch)  # a new shuffle, the same permutation on every rank
     sent_before, steps_before = run.sent.read(), run.step
@@ -345,6 +346,8 @@ def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
         losses.append(forward_backward(run, images, labels, synchronise=last_micro))
         if last_micro and optimizer_step(run, step_started) and run.comm.rank == 0:
             batches.set_postfix(loss=f"{losses[-1]:.3f}")
+    with run.clock.blocking("drain"):  # the epoch's background communication ends in it
+        drain_background(run.ddp, run.strategy)
     train_seconds = time.perf_counter() - started
     return EpochTrained(losses, run.step - steps_before, started, train_seconds,
                         run.sent.read() - sent_before,
