@@ -11,6 +11,7 @@ run, spies wrap some of its steps: they record, and change nothing.
 """
 import contextlib
 import io
+import json
 import os
 import shutil
 from unittest import mock
@@ -120,3 +121,15 @@ def train_then_eval_only(comm, flags, folder):
         train.train([*flags, "--epochs", "1", "--checkpoint-dir", os.path.dirname(checkpoint)])
         train.train([*flags, "--resume", checkpoint, "--eval-only"])
     return {"scores": scores, "untouched": untouched, "printed": printed.getvalue()}
+
+
+def epoch_records(comm, folder, flags):
+    """One run with `flags` that writes its --metrics to folder/metrics.jsonl; returns
+    the epochs' records (on rank 0; [] elsewhere)."""
+    path = os.path.join(folder, "metrics.jsonl")
+    with trainer_on(comm):
+        train.train([*flags, "--metrics", path])
+    if comm.rank != 0:
+        return []
+    with open(path) as lines:
+        return [json.loads(line) for line in lines]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from checks_trainer import straight_and_resumed, train_then_eval_only
+from checks_trainer import epoch_records, straight_and_resumed, train_then_eval_only
 from collectives.launch.mpirun import find_mpirun
 from collectives.launch.spawn import free_port
 from distributed import run_world
@@ -153,6 +153,25 @@ def test_resume_continues_every_rank_bit_for_bit(case, tmp_path):
     if sync in ("local-sgd", "ddp-localsgd"):  # the replicas did differ at the end
         assert not torch.equal(straight["ranks"][0]["model"]["0.weight"],
                                straight["ranks"][1]["model"]["0.weight"])
+
+
+@pytest.mark.timeout(120)
+def test_an_epoch_counts_the_bytes_its_background_communication_sent(tmp_path):
+    # delayed all-reduces each step's gradients on a background thread during the next
+    # step: the last step's is still in flight when the loop ends. Counted in its epoch,
+    # delayed sends what allreduce sends per step (the same gradients, once each); read
+    # before it ends, the first epoch would miss a step's bytes (1 of the 3 here).
+    flags = ["--train-samples", "24", "--test-samples", "4", "--batch-size", "4",
+             "--epochs", "2"]
+    per_step = {}
+    for sync in ("allreduce", "delayed"):
+        folder = tmp_path / sync
+        folder.mkdir()
+        records = run_world(epoch_records, 2, (str(folder), [*flags, "--sync", sync]),
+                            timeout=100)[0]
+        per_step[sync] = [record["bytes_per_step"] for record in records]
+    for epoch, (reference, delayed) in enumerate(zip(per_step["allreduce"], per_step["delayed"])):
+        assert delayed == pytest.approx(reference, rel=0.05), (epoch + 1, per_step)
 
 
 # Strategies whose replicas differ as the epoch ends: local SGD that last averaged a step
