@@ -287,6 +287,32 @@ def async_avg_does_not_wait_for_a_slow_rank(comm, flag_path):
     return finished_first, strategy.rounds, comm.traffic.bytes_sent
 
 
+def async_avg_settles_ranks_a_round_apart(comm):
+    """Rank 1 starts round 2 (it saw round 1 finish); rank 0 has not yet, and the epoch
+    ends: settling must finish round 2 on both, not wait for it on rank 1 alone while
+    rank 0 goes on to the next collective."""
+    from trainer.timing import drain_background
+    torch.manual_seed(0)
+    model = mlp()
+    strategy = sync.create("async-avg")
+    strategy.setup(model, comm)
+    with torch.no_grad():  # replicas apart, so that averaging shows
+        for p in model.parameters():
+            p.add_(comm.rank)
+    strategy.after_step(model, 1)  # round 1 starts on both
+    if comm.rank == 1:
+        strategy.round[1].wait()
+        strategy.after_step(model, 2)  # round 1 applied, round 2 started
+        assert strategy.rounds == 1 and strategy.round is not None
+    drain_background(None, strategy)  # the epoch ends
+    comm.barrier()  # the next collective on the training communicator
+    assert strategy.rounds == 2 and strategy.round is None, (strategy.rounds, strategy.round)
+    mine = torch.cat([p.reshape(-1) for p in model.parameters()])
+    assert torch.equal(mine, mean_over_ranks(mine)), "round 2 left the replicas apart"
+    strategy.close()
+    return "ok"
+
+
 def load_mnist(train):
     from torchvision import datasets
     dataset = datasets.MNIST(DATA, train=train, download=False)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from checks_sync import (DATA, GRADIENT_STRATEGIES, async_avg_does_not_wait_for_a_slow_rank,
+                         async_avg_settles_ranks_a_round_apart,
                          byte_counts_match_formulas, delayed_is_one_step_late,
                          delayed_unscales_each_gradient_with_its_own_scale,
                          every_strategy_learns_mnist, gossip_keeps_the_mean,
@@ -24,6 +25,11 @@ def test_unknown_strategy_lists_the_available_ones():
 @pytest.mark.timeout(120)
 def test_local_sgd_with_period_1_equals_allreduce_for_plain_sgd():
     assert run_world(local_sgd_h1_equals_allreduce, 3, timeout=100) == ["ok"] * 3
+
+
+@pytest.mark.timeout(120)
+def test_async_avg_settles_an_epoch_with_its_ranks_a_round_apart():
+    assert run_world(async_avg_settles_ranks_a_round_apart, 2, timeout=60) == ["ok"] * 2
 
 
 @pytest.mark.timeout(120)

@@ -156,12 +156,17 @@ def background_comm_seconds(ddp, strategy) -> float:
 
 
 def drain_background(ddp, strategy) -> None:
-    """Wait until the communication threads have finished every job submitted so far.
+    """Collective: wait until the communication threads have finished what this step
+    started, on every rank alike.
 
     A strategy that communicates in the background (delayed's last all-reduce,
     async-avg's averaging round) still sends after the step that started it returns;
     a measurement that ends there must drain it first, or those bytes and seconds land
-    in whatever is measured next. The strategy's own state is untouched: its next step
-    finds the result ready, as if the network had been fast."""
-    for worker in _comm_workers(ddp, strategy):
-        worker.drain()
+    in whatever is measured next. The strategy settles its own (`settle`: async-avg's
+    ranks may be a round apart, and must agree on which round to finish); our DDP's
+    bucketer finishes every bucket inside backward already. Its state is untouched:
+    the next step finds the result ready, as if the network had been fast."""
+    bucketer = getattr(ddp, "bucketer", None)
+    if bucketer is not None:
+        bucketer.worker.drain()
+    strategy.settle()

@@ -160,6 +160,9 @@ class TorchPeer:
         if self.averager is not None:
             self.averager.average_parameters(model.parameters())
 
+    def settle(self) -> None:
+        """Nothing in the background: torch's DDP waits for its all-reduces in backward."""
+
     def close(self) -> None:
         """Nothing in flight: every torch collective here is waited on inside the step."""
 

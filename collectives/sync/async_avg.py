@@ -88,6 +88,28 @@ class AsyncAverage(SyncStrategy):
             else:
                 self.finished = True
 
+    def settle(self) -> None:
+        """Collective: finish the running round on every rank and apply it.
+
+        Ranks may stand one round apart: a rank starts its next round at its first step
+        after seeing the last one finish, which another rank may not have reached yet
+        (never more than one apart, since a round finishes only when every rank has
+        joined it). Waiting for one's own round alone could then wait forever for a rank
+        that has gone on to the next collective. So the ranks first agree on the number
+        of rounds started (the largest); a rank one behind finishes its round and
+        starts the missing one; then each waits for its round and applies it."""
+        if self.finished or self.comm.world_size == 1:
+            return
+        started = torch.tensor([self.rounds + (self.round is not None)], dtype=torch.int64)
+        api.all_reduce(started, op="max", algorithm="auto", comm=self.comm, check=False)
+        while self.rounds < started.item():
+            if self.round is None:
+                self._start_round(self.model, still_training=True)
+            self.round[1].wait()
+            if not self._finish_round(self.model):  # cannot happen before close()
+                self.finished = True
+                return
+
     def close(self) -> None:
         model = self.model
         while self.round is not None:

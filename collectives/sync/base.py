@@ -8,6 +8,9 @@ is one small class that acts at some of them:
     after_backward(model)      every bucket has been reduced, before the optimizer step
     after_step(model, step)    the optimizer has updated the parameters
 
+    settle()                   a measurement ends (an epoch, a benchmark's window):
+                               finish what runs in the background, on every rank
+                               alike (collective), leaving the strategy's state as is
     close()                    training is over: finish anything still in flight
 
     state_dict()               a checkpoint is being written: what this rank's strategy
@@ -100,6 +103,12 @@ class SyncStrategy:
 
     def after_step(self, model: torch.nn.Module, step: int) -> None:
         """The optimizer has stepped; `step` counts from 1."""
+
+    def settle(self) -> None:
+        """Collective: wait until the communication this strategy runs in the
+        background has finished on every rank, so that its bytes and seconds belong to
+        the measurement ending now. The next step finds the result ready. Nothing runs
+        in the background unless a subclass says so."""
 
     def close(self) -> None:
         """Training is over: wait for (or cancel) anything still in flight."""

@@ -92,6 +92,11 @@ class Delayed(SyncStrategy):
             device = next(self.model.parameters()).device  # a checkpoint loads on the CPU
             self.in_flight = (state["gradient"].to(device, copy=True), state["scale"], arrived)
 
+    def settle(self) -> None:
+        """Wait for last step's all-reduce. Every rank submits one per step, so every
+        rank waits for the same one; it stays in flight, to be applied next step."""
+        self.worker.drain()
+
     def close(self) -> None:
         if self.in_flight:
             self._wait_in_flight()  # its gradient is never applied: training is over
