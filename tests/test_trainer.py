@@ -231,6 +231,20 @@ def test_eval_only_and_resuming_a_finished_run_report_the_checkpoints_accuracy(t
     assert last.startswith("done in") and f"test accuracy {trained['test_acc']:.2%}" in last
 
 
+@pytest.mark.timeout(300)
+def test_a_checkpoint_that_cannot_be_written_ends_the_job_with_one_line(tmp_path):
+    # checkpoint.pt is a folder: rank 0's rename onto it fails. The job must end (the
+    # other rank waits in the next collective) with one line, not a traceback.
+    (tmp_path / "ckpt" / "checkpoint.pt").mkdir(parents=True)
+    result = run(LAUNCHERS["torchrun"](2, trainer(*TINY, "--checkpoint-dir", "ckpt")),
+                 tmp_path, check=False, timeout=200)
+    assert result.returncode != 0
+    assert "trainer: error: rank 0: cannot write the checkpoint ckpt/checkpoint.pt" in \
+        result.stderr, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+    assert os.listdir(tmp_path / "ckpt") == ["checkpoint.pt"]  # no temporary file left
+
+
 # A checkpoint that cannot be resumed, written directly (each keeps what the check needs).
 RESUMABLE_KEYS = {"model": {}, "epoch": 1, "step": 2, "test_acc": 0.5, "args": {}}
 UNRESUMABLE = {
@@ -239,6 +253,13 @@ UNRESUMABLE = {
                          "state, so resume with 2 rank(s)"),
     "older format": ({**RESUMABLE_KEYS, "optimizer": {}, "scaler": {}, "rng": {}},
                      "a checkpoint of an older format (no per-rank states"),
+    "another sync": ({**RESUMABLE_KEYS, "world_size": 1,
+                      "args": {"arch": "resnet18", "dataset": "shapes", "sync": "topk",
+                               "sync_option": [], "amp": "off"},
+                      "ranks": [dict.fromkeys(("model", "optimizer", "scaler", "schedule",
+                                               "strategy", "rng"), {})]},
+                     "saved with --sync topk, resumed with allreduce: its model and strategy "
+                     "state belong to the flags that saved it"),
 }
 
 

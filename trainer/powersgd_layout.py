@@ -21,8 +21,10 @@ in (the indices in model.parameters() of its gradients, in order). When a bucket
 with another layout, every bucket's state is first cut into one piece per parameter
 (`pool`), and each bucket then takes its pieces, in its new order, when it comes: the
 hook sees state in its own layout. PowerSGD's arithmetic is per matrix and its
-all-reduces elementwise, so the order of the pieces changes no number: a resumed run
-goes on bit for bit. P's memory is only allocated (the hook overwrites it with M Q
+all-reduces elementwise, so the order of the pieces changes no number in the state. (A
+ring still sums an element of a bucket in an order that depends on where the element
+sits, so on 3 or more ranks the first step's reduced values may differ in the last
+bits; on 2 ranks a + b = b + a, and the resumed run goes on bit for bit.) P's memory is only allocated (the hook overwrites it with M Q
 before reading it), so P needs no moving.
 """
 from __future__ import annotations

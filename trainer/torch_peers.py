@@ -33,7 +33,8 @@ Where torch's computation differs from ours, by design of each library:
   that: by itself it would average after step W+1 first).
 
 A checkpoint keeps what torch's hooks carry across steps, so that a resumed run goes on
-bit for bit (state_dict / load_state_dict, as our strategies): ddp-powersgd's
+bit for bit on 2 ranks (to the last bits on more: docs/reliability.md) (state_dict /
+load_state_dict, as our strategies): ddp-powersgd's
 PowerSGDState (its step count, error and P/Q memories per bucket, and the random
 generator that seeds new Q's), with the bucket layout they are in (a resumed DDP lays
 its buckets out anew: powersgd_layout.py), and ddp-localsgd's step counts (the hook's, which ends

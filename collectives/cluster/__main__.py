@@ -82,7 +82,9 @@ def parse(argv: Sequence[str]):
 
 def _stop(signum, frame):
     """A stop signal: unwind through main's `finally`, which kills the ranks and removes
-    the network, and exit with 128 + its number."""
+    the network, and exit with 128 + its number. Further signals are ignored from here:
+    one arriving before main's `finally` begins must not cut the clean-up short."""
+    _on_stop_signals(_ignore)
     raise SystemExit(128 + signum)
 
 

@@ -264,10 +264,11 @@ def _kill_processes(namespaces: List[str]) -> None:
     existing = set(_list_netns())
     namespaces = [namespace for namespace in namespaces if namespace in existing]
     for _ in range(KILL_ROUNDS):
-        pids = [pid for namespace in namespaces
-                for pid in _run(["ip", "netns", "pids", namespace], check=False).stdout.split()]
-        if not pids:
-            return
+        listings = [_run(["ip", "netns", "pids", namespace], check=False)
+                    for namespace in namespaces]
+        pids = [pid for listing in listings for pid in listing.stdout.split()]
+        if not pids and all(listing.returncode == 0 for listing in listings):
+            return  # none left (a listing that failed says nothing: look again)
         for pid in pids:
             try:
                 os.kill(int(pid), signal.SIGKILL)
@@ -342,7 +343,10 @@ def _list_netns() -> List[str]:
 
 def _run(argv: List[str], check: bool = True, stdin: Optional[str] = None):
     try:
-        done = subprocess.run(argv, capture_output=True, text=True, input=stdin)
+        # In a session of its own: a Ctrl-C at the terminal reaches the launcher (which
+        # finishes its clean-up), never the ip/tc/umount commands that clean-up runs.
+        done = subprocess.run(argv, capture_output=True, text=True, input=stdin,
+                              start_new_session=True)
     except FileNotFoundError:  # check_tools() says so up front; this is the last guard
         raise ClusterError(f"{argv[0]} not found on PATH: the emulated cluster needs it "
                            f"(Debian: apt-get install {TOOLS.get(argv[0], argv[0])})") from None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import io
 import os
 import random
+import re
 import tempfile
 from typing import Any, Dict, List, Optional
 
@@ -85,11 +86,13 @@ def temporary_prefix(path: str) -> str:
 
 def remove_stale_temporaries(path: str) -> List[str]:
     """Remove the temporary files an interrupted save of `path` left in its folder (only
-    ours: named with temporary_prefix(path)); returns the names removed."""
+    ours: temporary_prefix(path) and the 8 characters mkstemp adds); returns the names
+    removed."""
     folder, prefix = os.path.dirname(os.path.abspath(path)), temporary_prefix(path)
+    ours = re.compile(re.escape(prefix) + r"[a-z0-9_]{8}")
     removed = []
     for name in os.listdir(folder):
-        if name.startswith(prefix):
+        if ours.fullmatch(name):
             try:
                 os.unlink(os.path.join(folder, name))
                 removed.append(name)
@@ -110,6 +113,7 @@ def save_atomically(state: Dict[str, Any], path: str) -> None:
             torch.save(state, out)
             out.flush()
             os.fsync(out.fileno())
+        os.chmod(temporary, 0o666 & ~_umask())  # mkstemp's file is private (0600)
         os.replace(temporary, path)
     except BaseException:
         if os.path.exists(temporary):
@@ -120,6 +124,19 @@ def save_atomically(state: Dict[str, Any], path: str) -> None:
         os.fsync(directory)
     finally:
         os.close(directory)
+
+
+def _umask() -> int:
+    """The process's umask, as Linux reports it (os.umask can only read it by setting
+    it, which would race with other threads creating files); 022 if unknown."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def load(path: str) -> Dict[str, Any]:

@@ -164,6 +164,9 @@ def load_inputs(args: argparse.Namespace) -> Tuple[data.DataSplit, Optional[dict
 # What a checkpoint must hold to be resumed, and, for each rank, in "ranks".
 CHECKPOINT_KEYS = ("model", "epoch", "step", "world_size", "test_acc", "ranks")
 RANK_KEYS = ("model", "optimizer", "scaler", "schedule", "strategy", "rng")
+# The flags a checkpoint's state belongs to: a resume with others fails (another
+# strategy would silently drop the saved one's state, another model would not load).
+STATE_FLAGS = ("arch", "dataset", "sync", "sync_option", "amp")
 
 
 def read_checkpoint(path: str, eval_only: bool) -> dict:
@@ -278,6 +281,15 @@ def resume(run: Run, saved: dict) -> None:
         fail(f"--resume {path}: saved by {saved['world_size']} rank(s), resumed with "
              f"{world}: each rank continues its own state, so resume with "
              f"{saved['world_size']} rank(s)")
+    if len(saved["ranks"]) != world or any(
+            key not in state for state in saved["ranks"] for key in RANK_KEYS):
+        fail(f"--resume {path}: not a trainer checkpoint (\"ranks\" should hold "
+             f"{world} state(s), each with {', '.join(RANK_KEYS)})")
+    for flag in STATE_FLAGS:  # the state saved belongs to these flags' strategy and model
+        before, now = saved["args"].get(flag), getattr(run.args, flag)
+        if before != now:
+            fail(f"--resume {path}: saved with --{flag.replace('_', '-')} {before}, resumed "
+                 f"with {now}: its model and strategy state belong to the flags that saved it")
     mine = saved["ranks"][run.comm.rank]
     run.model.load_state_dict(mine["model"])
     run.optimizer.load_state_dict(mine["optimizer"])
@@ -521,11 +533,16 @@ def save_checkpoint(run: Run, epoch: int, evaluated: torch.nn.Module,
     ranks = checkpoint.gather_on_rank_0(run.comm, rank_state(run))
     if run.comm.rank != 0:
         return
-    checkpoint.save_atomically(
-        {"model": evaluated.state_dict(), "epoch": epoch, "step": run.step,
-         "args": vars(args), "world_size": run.comm.world_size, "test_acc": accuracy,
-         "ranks": ranks},
-        os.path.join(args.checkpoint_dir, "checkpoint.pt"))
+    path = os.path.join(args.checkpoint_dir, "checkpoint.pt")
+    try:
+        checkpoint.save_atomically(
+            {"model": evaluated.state_dict(), "epoch": epoch, "step": run.step,
+             "args": vars(args), "world_size": run.comm.world_size, "test_acc": accuracy,
+             "ranks": ranks}, path)
+    except OSError as error:  # a full disk, no permission: the last checkpoint stays whole
+        print(f"trainer: error: rank 0: cannot write the checkpoint {path}: {error}",
+              file=sys.stderr)
+        collectives.abort(1)  # the other ranks wait in the next collective: end them too
 
 
 def reached_stop_at(run: Run, accuracy: float) -> bool:
