@@ -236,7 +236,7 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_job_with_one_line(tmp_path
     # checkpoint.pt is a folder: rank 0's rename onto it fails. The job must end (the
     # other rank waits in the next collective) with one line, not a traceback.
     (tmp_path / "ckpt" / "checkpoint.pt").mkdir(parents=True)
-    result = run(LAUNCHERS["torchrun"](2, trainer(*TINY, "--checkpoint-dir", "ckpt")),
+    result = run(LAUNCHERS["mpirun"](2, trainer(*TINY, "--checkpoint-dir", "ckpt")),
                  tmp_path, check=False, timeout=200)
     assert result.returncode != 0
     assert "trainer: error: rank 0: cannot write the checkpoint ckpt/checkpoint.pt" in \
