@@ -133,3 +133,18 @@ def epoch_records(comm, folder, flags):
         return []
     with open(path) as lines:
         return [json.loads(line) for line in lines]
+
+
+def extended_by_resume(comm, folder, flags):
+    """A run of 2 epochs straight (folder/straight), and one of 1 epoch (folder/split)
+    resumed with --epochs 2: a finished run extended. The caller compares the last
+    checkpoints."""
+    with trainer_on(comm):
+        train.train([*flags, "--epochs", "2", "--checkpoint-dir",
+                     os.path.join(folder, "straight")])
+        split = os.path.join(folder, "split")
+        train.train([*flags, "--epochs", "1", "--checkpoint-dir", split])
+        comm.barrier()  # rank 0 has written the checkpoint
+        train.train([*flags, "--epochs", "2", "--checkpoint-dir", split,
+                     "--resume", os.path.join(split, "checkpoint.pt")])
+    return "ok"

@@ -338,11 +338,20 @@ def start_launcher(*args, **popen):
     return launcher, mark
 
 
+def default_stop_signals() -> None:
+    """In the launcher's process before it starts: SIGHUP and SIGINT as a terminal's
+    foreground job has them. A test run in the background (a CI runner, `cmd &`) passes
+    SIGINT on ignored, and the launcher rightly keeps ignoring a signal it was started
+    ignoring (as `nohup` needs): the test would then check nothing."""
+    for signum in (signal.SIGHUP, signal.SIGINT):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 @contextlib.contextmanager
-def running_launcher(*args, hosts):
+def running_launcher(*args, hosts, **popen):
     """A launcher running ARGS, once its network of `hosts` hosts is up: (the process,
     its run's name, its mark). Whatever happens, it is stopped and its run removed."""
-    launcher, mark = start_launcher(*args)
+    launcher, mark = start_launcher(*args, **popen)
     try:
         deadline, run = time.monotonic() + 60, None
         while run is None and time.monotonic() < deadline and launcher.poll() is None:
@@ -363,8 +372,8 @@ def test_cli_stopped_by_a_signal_removes_everything_and_exits_128_plus_it(stop):
     """A closed terminal or dropped ssh session (SIGHUP), Ctrl-C, kill: the ranks stop,
     the network goes, and the status says which signal, as a shell reports it."""
     links = host_links()
-    with running_launcher("--hosts", "2", "--", "sleep", "60", hosts=2) as (launcher, run,
-                                                                            mark):
+    with running_launcher("--hosts", "2", "--", "sleep", "60", hosts=2,
+                          preexec_fn=default_stop_signals) as (launcher, run, mark):
         launcher.send_signal(stop)
         assert launcher.wait(timeout=30) == 128 + stop
     assert_left_nothing(run, mark, links)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from checks_trainer import epoch_records, straight_and_resumed, train_then_eval_only
+from checks_trainer import (epoch_records, extended_by_resume, straight_and_resumed,
+                            train_then_eval_only)
 from collectives.launch.mpirun import find_mpirun
 from collectives.launch.spawn import free_port
 from distributed import run_world
@@ -76,20 +77,15 @@ def test_the_tutorials_launcher_passes_local_rank_and_both_ranks_finish(tmp_path
     assert "with 2 rank(s)" in out.stdout and "done in" in out.stdout, out.stdout
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(120)
 def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
     # Stopping after epoch 1 and resuming with --epochs 2 extends the run, so the lr must
     # not depend on --epochs: a constant schedule. (A run killed and resumed with the
-    # same command, cosine schedule included, is tests/fault_injection.py's resume case.)
-    mpirun = find_mpirun()[0]
+    # same command under mpirun, cosine schedule included, is tests/fault_injection.py's
+    # resume case.)
     flags = ["--train-samples", "32", "--test-samples", "16", "--batch-size", "8",
-             "--backend", "gloo", "--schedule", "constant"]
-    run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "2", "--checkpoint-dir", "straight")],
-        tmp_path)
-    run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "1", "--checkpoint-dir", "split")],
-        tmp_path)
-    run([mpirun, "-np", "2", *trainer(*flags, "--epochs", "2", "--checkpoint-dir", "split",
-                                      "--resume", "split/checkpoint.pt")], tmp_path)
+             "--schedule", "constant"]
+    run_world(extended_by_resume, 2, (str(tmp_path), flags), timeout=100)
     straight = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=False)
     resumed = torch.load(tmp_path / "split" / "checkpoint.pt", weights_only=False)
     assert straight["epoch"] == resumed["epoch"] == 2
