@@ -55,6 +55,7 @@ from tqdm import tqdm
 
 import collectives
 from collectives import trace
+from collectives.sync.local_sgd import averaged_tensors  # what model averaging averages
 from .. import torch_peers
 from ..timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 from . import checkpoint, data
@@ -453,9 +454,7 @@ def evaluated_model(run: Run) -> torch.nn.Module:
     model = copy.deepcopy(run.model)  # parameters and buffers; no gradients, no hooks
     buffers = list(model.buffers())
     if run.strategy.replicas_differ:
-        averaged = [p.data for p in model.parameters()] + [
-            b for b in buffers if b.is_floating_point()]
-        collectives.all_reduce_coalesced(averaged, op="avg", comm=run.comm)
+        collectives.all_reduce_coalesced(averaged_tensors(model), op="avg", comm=run.comm)
         buffers = [b for b in buffers if not b.is_floating_point()]
     collectives.broadcast_coalesced(buffers, src=0, comm=run.comm)
     return model
