@@ -148,3 +148,44 @@ def extended_by_resume(comm, folder, flags):
         train.train([*flags, "--epochs", "2", "--checkpoint-dir", split,
                      "--resume", os.path.join(split, "checkpoint.pt")])
     return "ok"
+
+
+def printed_by_runs(comm, folder, runs):
+    """Trainer runs one after another in `folder` (each a list of flags), on `comm` with
+    tiny_model; returns, per run, what rank 0 printed and how it ended: the exit code
+    argparse's kind of error gives (2), or 0, and its stderr."""
+    os.chdir(folder)
+    outcomes = []
+    for flags in runs:
+        printed, errors, code = io.StringIO(), io.StringIO(), 0
+        with trainer_on(comm), contextlib.redirect_stdout(printed), \
+                contextlib.redirect_stderr(errors):
+            try:
+                train.train(flags)
+            except SystemExit as exited:
+                code = exited.code
+        outcomes.append({"stdout": printed.getvalue(), "stderr": errors.getvalue(),
+                         "code": code})
+        comm.barrier()  # rank 0 has written what the next run reads
+    return outcomes
+
+
+def overflowing_first_backward(comm, folder, flags):
+    """A run whose first backward overflows as fp16 would: the gradient of the model's
+    output replaced by inf on that step only (GradScaler must skip it and halve its
+    scale)."""
+    def model_whose_first_backward_overflows(*args):
+        model = tiny_model(*args)
+
+        def overflow_once(module, inputs, output):
+            handle.remove()
+            output.register_hook(lambda grad: torch.full_like(grad, float("inf")))
+
+        handle = model.register_forward_hook(overflow_once)
+        return model
+
+    os.chdir(folder)
+    with trainer_on(comm), mock.patch.object(train, "build_model",
+                                             model_whose_first_backward_overflows):
+        train.train(flags)
+    return "ok"

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from checks_trainer import (epoch_records, extended_by_resume, straight_and_resumed,
-                            train_then_eval_only)
+from checks_trainer import (epoch_records, extended_by_resume, overflowing_first_backward,
+                            printed_by_runs, straight_and_resumed, train_then_eval_only)
 from collectives.launch.mpirun import find_mpirun
 from collectives.launch.spawn import free_port
 from distributed import run_world
@@ -210,20 +210,23 @@ def test_the_accuracy_printed_is_the_checkpoints_and_that_of_the_averaged_replic
     assert "each epoch evaluates (and checkpoints) their average" in printed
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 def test_eval_only_and_resuming_a_finished_run_report_the_checkpoints_accuracy(tmp_path):
-    run(trainer(*TINY, "--checkpoint-dir", "ckpt", "--metrics", "train.jsonl"), tmp_path)
+    trained_run, eval_only, finished = run_world(printed_by_runs, 1, timeout=100, args=(
+        str(tmp_path), [[*TINY, "--checkpoint-dir", "ckpt", "--metrics", "train.jsonl"],
+                        ["--test-samples", "32", "--resume", "ckpt/checkpoint.pt",
+                         "--eval-only", "--metrics", "eval.jsonl"],
+                        [*TINY, "--resume", "ckpt/checkpoint.pt"]]))[0]
+    assert [run["code"] for run in (trained_run, eval_only, finished)] == [0, 0, 0]
     (trained,) = read_metrics(tmp_path / "train.jsonl")
-    out = run(trainer("--test-samples", "32", "--resume", "ckpt/checkpoint.pt", "--eval-only",
-                      "--metrics", "eval.jsonl"), tmp_path)
     (evaluated,) = read_metrics(tmp_path / "eval.jsonl")
     assert evaluated["eval_only"] and evaluated["test_acc"] == trained["test_acc"]
-    assert f"test accuracy {trained['test_acc']:.2%}" in out.stdout
+    assert f"test accuracy {trained['test_acc']:.2%}" in eval_only["stdout"]
     # The checkpoint ended epoch 1 of --epochs 1: nothing to train, and the last line
     # gives the accuracy it ended with (not the 0.00% of an epoch never run).
-    out = run(trainer(*TINY, "--resume", "ckpt/checkpoint.pt"), tmp_path)
-    assert "ended epoch 1 of --epochs 1: nothing left to train" in out.stdout, out.stdout
-    last = out.stdout.strip().splitlines()[-1]
+    out = finished["stdout"]
+    assert "ended epoch 1 of --epochs 1: nothing left to train" in out, out
+    last = out.strip().splitlines()[-1]
     assert last.startswith("done in") and f"test accuracy {trained['test_acc']:.2%}" in last
 
 
@@ -260,14 +263,15 @@ UNRESUMABLE = {
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("case", list(UNRESUMABLE))
-def test_a_checkpoint_that_cannot_be_resumed_is_one_clear_line(case, tmp_path):
-    saved, message = UNRESUMABLE[case]
-    torch.save(saved, tmp_path / "checkpoint.pt")
-    result = run(trainer(*TINY, "--resume", "checkpoint.pt"), tmp_path, check=False)
-    assert result.returncode == 2, f"{result.stdout}\n{result.stderr}"
-    last = result.stderr.strip().splitlines()[-1]
-    assert message in last and "Traceback" not in result.stderr, result.stderr
+def test_a_checkpoint_that_cannot_be_resumed_is_one_clear_line(tmp_path):
+    for case, (saved, _) in UNRESUMABLE.items():
+        torch.save(saved, tmp_path / f"{case}.pt")
+    outcomes = run_world(printed_by_runs, 1, timeout=100, args=(
+        str(tmp_path), [[*TINY, "--resume", f"{case}.pt"] for case in UNRESUMABLE]))[0]
+    for (case, (_, message)), outcome in zip(UNRESUMABLE.items(), outcomes):
+        assert outcome["code"] == 2, (case, outcome)
+        last = outcome["stderr"].strip().splitlines()[-1]
+        assert message in last and "Traceback" not in outcome["stderr"], (case, outcome)
 
 
 # Saves a checkpoint and is SIGKILLed while torch.save writes it (pickling `Dies`).
@@ -298,8 +302,8 @@ def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
     assert checkpoint.load(str(path))["version"] == 2
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("flags, message", [
+# Flags a run must refuse before it connects or writes anything, and the line it says.
+BAD_FLAGS = [
     (["--epochs", "0"], "argument --epochs: must be at least 1, got 0"),
     (["--lr", "-1"], "argument --lr: must be positive"),
     (["--sync", "bogus"], "invalid choice: 'bogus' (choose from 'allreduce'"),
@@ -314,15 +318,38 @@ def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
     (["--sync", "ddp-fp16", "--sync-option", "period=2"], "ddp-fp16 takes no option(s) period"),
     (["--trace", "t", "--trace-steps", "4:2"], "need 1 <= FIRST <= LAST"),
     (["--local-rank", "-1"], "argument --local-rank: must be 0 or more, got -1"),
-])
-def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path):
-    result = run(trainer(*flags, "--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"), tmp_path,
-                 check=False)
-    assert result.returncode == 2, result.stderr
-    last = result.stderr.strip().splitlines()[-1]
-    assert message in last, result.stderr
-    assert "Traceback" not in result.stderr
+]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("flags, message", BAD_FLAGS)
+def test_bad_input_is_one_clear_line_and_writes_nothing(flags, message, tmp_path, monkeypatch,
+                                                         capsys):
+    # In process: every check runs before train() connects (the command's own exit
+    # status and stderr: the test below).
+    from trainer.loop import train
+
+    def connect(args):
+        raise AssertionError("the run went on to connect: its flags were accepted")
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(train, "connect", connect)
+    with pytest.raises(SystemExit) as exited:
+        train.train([*flags, "--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"])
+    errors = capsys.readouterr().err
+    assert exited.value.code == 2, errors
+    assert message in errors.strip().splitlines()[-1], errors
     assert os.listdir(tmp_path) == [], "something was written before the arguments were valid"
+
+
+@pytest.mark.timeout(120)
+def test_a_bad_flag_ends_the_command_with_exit_2_and_one_line(tmp_path):
+    flags, message = next(case for case in BAD_FLAGS if "--resume" in case[0])
+    result = run(trainer(*flags, "--metrics", "m.jsonl"), tmp_path, check=False)
+    assert result.returncode == 2, result.stderr
+    assert message in result.stderr.strip().splitlines()[-1], result.stderr
+    assert "Traceback" not in result.stderr
+    assert os.listdir(tmp_path) == []
 
 
 def assert_every_step_applied(saved, steps):
@@ -357,48 +384,23 @@ def test_mixed_precision_learns(amp, tmp_path):
         assert saved["scaler"] == {}, saved["scaler"]
 
 
-# The trainer, with the gradient of the first step's output replaced by inf: what an fp16
-# overflow in backward does. GradScaler skips that step and halves its scale.
-OVERFLOW_IN_FIRST_BACKWARD = """
-import sys
-import torch
-import trainer.loop.train as train
-
-build_model = train.build_model
-
-
-def build_model_whose_first_backward_overflows(*args):
-    model = build_model(*args)
-
-    def overflow_once(module, inputs, output):
-        handle.remove()
-        output.register_hook(lambda grad: torch.full_like(grad, float("inf")))
-
-    handle = model.register_forward_hook(overflow_once)
-    return model
-
-
-train.build_model = build_model_whose_first_backward_overflows
-train.main(sys.argv[1:])
-"""
-
-
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("sync", ["allreduce", "powersgd", "topk"])
 def test_fp16_training_recovers_from_an_overflow(sync, tmp_path):
-    # Three steps: the first overflows and is skipped, the next two must be applied at the
+    # Three steps: the first overflows (its output's gradient made inf, what an fp16
+    # overflow in backward does) and is skipped, the next two must be applied at the
     # halved scale, as they are with allreduce. A strategy that kept the inf in its state
     # (error feedback, warm start) would overflow at every step: scale falling, no error.
-    run([sys.executable, "-c", OVERFLOW_IN_FIRST_BACKWARD, "--train-samples", "6",
-         "--test-samples", "2", "--batch-size", "2", "--epochs", "1", "--amp", "fp16",
-         "--sync", sync, "--checkpoint-dir", "ckpt"], tmp_path)
+    run_world(overflowing_first_backward, 1, timeout=100, args=(str(tmp_path), [
+        "--train-samples", "6", "--test-samples", "2", "--batch-size", "2", "--epochs", "1",
+        "--amp", "fp16", "--sync", sync, "--checkpoint-dir", "ckpt"]))
     saved = torch.load(tmp_path / "ckpt" / "checkpoint.pt", weights_only=False)["ranks"][0]
     scale = saved["scaler"]["scale"]
     assert scale == 2.0 ** 15, f"loss scale 2^{math.log2(scale):g} after 3 steps, not 2^15"
     assert_every_step_applied(saved, steps=2)
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(120)
 def test_imagefolder_dataset(tmp_path):
     from PIL import Image
     generator = torch.Generator().manual_seed(0)
@@ -410,8 +412,10 @@ def test_imagefolder_dataset(tmp_path):
                 noise = torch.randint(0, 30, (40, 40, 3), generator=generator)
                 pixels = (noise + colour).clamp(0, 255).to(torch.uint8).numpy()
                 Image.fromarray(pixels).save(folder / f"{index}.png")
-    out = run(trainer("--dataset", "imagefolder", "--data-dir", "images", "--batch-size", "8",
-                      "--epochs", "1", "--metrics", "m.jsonl"), tmp_path)
-    assert "on imagefolder (48 images)" in out.stdout
+    (out,) = run_world(printed_by_runs, 1, timeout=100, args=(str(tmp_path), [[
+        "--dataset", "imagefolder", "--data-dir", "images", "--batch-size", "8", "--epochs",
+        "1", "--metrics", "m.jsonl"]]))[0]
+    assert out["code"] == 0, out
+    assert "on imagefolder (48 images)" in out["stdout"]
     (record,) = read_metrics(tmp_path / "m.jsonl")
     assert 0.0 <= record["test_acc"] <= 1.0
