@@ -68,8 +68,6 @@ def bench_command(nproc: int, backend: str, shm: str, data: str) -> str:
             f"--trials 3 --seconds-per-row 0.6 --json docs/data/{data}")
 
 
-BEFORE_SHM = "measured before the shared-memory transport existed (docs/benchmarks.md)"
-
 FIGURES_OF_THE_DOCS = [
     Figure("bench_gloo_shm_2.png", "bench_gloo_shm_2.jsonl", draw_bench,
            bench_command(2, "gloo", "on", "bench_gloo_shm_2.jsonl")),
@@ -78,11 +76,11 @@ FIGURES_OF_THE_DOCS = [
     Figure("bench_mpi_shm_4.png", "bench_mpi_shm_4.jsonl", draw_bench,
            bench_command(4, "mpi", "on", "bench_mpi_shm_4.jsonl")),
     Figure("bench_gloo_2.png", "gloo2.jsonl", draw_bench,
-           bench_command(2, "gloo", "off", "gloo2.jsonl"), BEFORE_SHM),
+           bench_command(2, "gloo", "off", "gloo2.jsonl")),
     Figure("bench_gloo_4.png", "gloo4.jsonl", draw_bench,
-           bench_command(4, "gloo", "off", "gloo4.jsonl"), BEFORE_SHM),
+           bench_command(4, "gloo", "off", "gloo4.jsonl")),
     Figure("bench_mpi_4.png", "mpi4.jsonl", draw_bench,
-           bench_command(4, "mpi", "off", "mpi4.jsonl"), BEFORE_SHM),
+           bench_command(4, "mpi", "off", "mpi4.jsonl")),
     Figure("compare_1gbit.png", "compare_1gbit.jsonl", draw_compare,
            "python -m trainer.compare --hosts 4 --bandwidth 1gbit --dataset mnist "
            "--data-dir ../shared/data --epochs 3 --stop-at 0.95 --out docs/data/compare_1gbit "
@@ -94,8 +92,7 @@ FIGURES_OF_THE_DOCS = [
     Figure("timeline.png", "timeline_trace.json", draw_timeline,
            f"{CLUSTER_100MBIT} python -m trainer.bench --sync ddp,allreduce,powersgd "
            "--steps 3 --rounds 1 --warmup 2 --trace run && "
-           "cp run/trace.json docs/data/timeline_trace.json",
-           "predates the fix to the cluster's shaper (docs/trace.md)"),
+           "cp run/trace.json docs/data/timeline_trace.json"),
 ]
 
 
