@@ -72,16 +72,18 @@ def check_horovod_collectives(comm):
     (outs[0].sum() + outs[1].sum()).backward()
     _close(group[0].grad, torch.full_like(mine, size), "grouped grad")
 
-    # allgather: first dimensions may differ; its gradient is this rank's slice of the sum
+    # allgather: first dimensions may differ; its gradient is this rank's rows of the
+    # gradient averaged over ranks (current Horovod's)
     rows = torch.full((rank + 1, 2), float(rank), requires_grad=True)
     gathered = hvd.allgather(rows)
     assert gathered.shape == (sum(r + 1 for r in range(size)), 2)
     expected = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)])
     _close(gathered, expected.to(gathered.dtype), "allgather")
     gathered.sum().backward()
-    _close(rows.grad, torch.full((rank + 1, 2), float(size)), "allgather grad")
+    _close(rows.grad, torch.ones(rank + 1, 2), "allgather grad")
 
-    # broadcast: every dtype (int16 too), every root; the gradient lands on the root
+    # broadcast: every dtype (int16 too), every root; the gradient, averaged over ranks,
+    # lands on the root
     for dtype in (torch.int16, torch.int8, torch.uint8, torch.float16, torch.int64):
         for root in range(size):
             value = torch.full((6,), rank + 1).to(dtype)
@@ -90,7 +92,7 @@ def check_horovod_collectives(comm):
             assert torch.equal(value, torch.full((6,), rank + 1).to(dtype)), "input changed"
     leaf = torch.ones(4, requires_grad=True)
     hvd.broadcast(leaf * (rank + 1), root_rank=size - 1).sum().backward()
-    _close(leaf.grad, torch.full((4,), float(size * (rank + 1) if rank == size - 1 else 0)),
+    _close(leaf.grad, torch.full((4,), float(rank + 1 if rank == size - 1 else 0)),
            "broadcast grad")
 
     # alltoall with uneven splits, and its gradient (the alltoall back)
@@ -149,18 +151,24 @@ def check_horovod_join(comm):
     rank, size = hvd.rank(), hvd.size()
     results = []
     for step in range(2 + rank):
-        results.append(hvd.allreduce(torch.tensor([float(step + 1)] * 3), op=hvd.Sum))
+        # named: the ranks make different numbers of these calls, which would put
+        # the numbers of unnamed ones (allreduce.noname.<n>) out of step
+        results.append(hvd.allreduce(torch.tensor([float(step + 1)] * 3), op=hvd.Sum,
+                                     name=f"step {step}"))
     last = hvd.join()
     assert last == size - 1, f"join() returned {last}"
     for step, got in enumerate(results):
         active = sum(1 for r in range(size) if step < 2 + r)
         _close(got, torch.tensor([float(active * (step + 1))] * 3), f"step {step}")
-    # broadcast while a rank is joined: an error on the caller, not a hang
-    if rank == 0:
-        hvd.join()
-    else:
+    # broadcast while a rank is joined: an error on the callers, not a hang. Each rank
+    # is the joined one once, and the broadcast is named: the joined rank makes one
+    # call fewer, which would put the numbers of unnamed calls out of step.
+    for joiner in range(size):
+        if rank == joiner:
+            hvd.join()
+            continue
         try:
-            hvd.broadcast(torch.ones(2), root_rank=1)
+            hvd.broadcast(torch.ones(2), root_rank=(joiner + 1) % size, name="while joined")
             raise AssertionError("broadcast with a joined rank did not raise")
         except RuntimeError as error:
             assert "join" in str(error), error
