@@ -5,6 +5,7 @@ file run under mpirun). Each check returns something picklable that the caller c
 across ranks, or raises.
 """
 import sys
+import time
 import warnings
 
 import torch
@@ -174,6 +175,85 @@ def check_horovod_join(comm):
             assert "join" in str(error), error
         hvd.join()
     return last
+
+
+def check_horovod_negotiation(comm):
+    """Negotiation by name, as Horovod's coordinator: ranks may submit named collectives
+    in different orders; the same name with different arguments is an error on every
+    rank, and the next collective runs; a name only some ranks submit is reported by
+    rank 0's stall inspector (which ranks miss which name), then fails on the ranks that
+    submitted it; a sparse allreduce equals the dense one."""
+    from collectives.horovod.ops import engine
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+
+    # different orders: rank 0 submits t0..t3, rank 1 t3..t0, rank 2 t0..t3, ...
+    names = [f"t{k}" for k in range(4)]
+    handles = {name: hvd.allreduce_async(torch.full((3,), float(10 * rank + k)), op=hvd.Sum,
+                                         name=name)
+               for k, name in (enumerate(names) if rank % 2 == 0
+                               else reversed(list(enumerate(names))))}
+    for k, name in enumerate(names):
+        _close(hvd.synchronize(handles[name]),
+               torch.full((3,), float(sum(10 * r + k for r in range(size)))), name)
+    gather = hvd.allgather_async(torch.full((rank + 1,), float(rank)), name="rows")
+    root = hvd.broadcast_async(torch.full((2,), float(rank)), root_rank=size - 1, name="root")
+    if rank % 2:  # and synchronized in either order
+        gather, root = hvd.synchronize(gather), hvd.synchronize(root)
+    else:
+        root, gather = hvd.synchronize(root), hvd.synchronize(gather)
+    _close(root, torch.full((2,), float(size - 1)), "broadcast among others")
+    assert gather.shape == (size * (size + 1) // 2,), gather.shape
+
+    # the same name with different arguments: every rank raises, naming two ranks' calls
+    try:
+        hvd.allreduce(torch.ones(3 + rank), name="mismatch")
+        raise AssertionError("an allreduce of different shapes under one name ran")
+    except hvd.HorovodInternalError as error:
+        assert "disagree on shape" in str(error) and "rank 1 submitted" in str(error), error
+    _close(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)),
+           "the next collective after the error")
+
+    # a name only the last rank submits: a stall warning on rank 0, then an error
+    each = engine()
+    before = each.stall_timeout
+    each.stall_timeout = 1.5
+    if each.inspector is not None:
+        each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
+    hvd.barrier()
+    if rank == size - 1:
+        started = time.monotonic()
+        try:
+            hvd.allreduce(torch.ones(1), name="lonely")
+            raise AssertionError("an allreduce only one rank submitted ran")
+        except hvd.HorovodInternalError as error:
+            assert "stalled" in str(error) and "allreduce.lonely" in str(error), error
+        waited = time.monotonic() - started
+        assert 1.4 < waited < 20, f"the stall error came after {waited:.1f} s"
+    else:  # wait here (not in a collective, which would stall too) until it expired
+        deadline = time.monotonic() + 30
+        while not each.table.entries.get("allreduce.lonely") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while "allreduce.lonely" in each.table.entries and time.monotonic() < deadline:
+            time.sleep(0.02)
+    if rank == 0:
+        report = each.inspector.reports[-1]
+        missing = [f"rank {r}: [allreduce.lonely]" for r in range(size - 1)]
+        assert all(line in report for line in missing), report
+    hvd.barrier()
+    each.stall_timeout = before
+    if each.inspector is not None:
+        each.inspector.fail_after = before
+
+    # sparse allreduce: an allgather of indices and values, equal to the dense allreduce
+    generator = torch.Generator().manual_seed(rank)
+    dense = torch.rand(12, 5, generator=generator)
+    dense[dense < 0.7] = 0
+    averaged = hvd.allreduce(dense, name="dense")
+    sparse = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse", op=hvd.Average)()
+    assert sparse.is_sparse
+    _close(sparse.to_dense(), averaged, "sparse allreduce", rtol=1e-6, atol=1e-7)
+    return float(averaged.sum())
 
 
 # --- Horovod's optimizer -------------------------------------------------------------------
@@ -370,7 +450,7 @@ def check_horovod_face(comm):
     """Every Horovod check above, one after another in one world."""
     return (check_horovod_collectives(comm), check_horovod_join(comm),
             check_horovod_uneven_parameters(comm), check_horovod_join_training(comm),
-            check_horovod_optimizer_rules(comm))
+            check_horovod_optimizer_rules(comm), check_horovod_negotiation(comm))
 
 
 # --- our DDP ---------------------------------------------------------------------------------
@@ -484,7 +564,36 @@ def check_ddp_torch_arguments(comm):
     return model.broadcast_buffers
 
 
-if __name__ == "__main__":  # under mpirun, on the mpi backend
-    comm = collectives.init(backend="mpi", timeout=60)
+# --- a rank that ends ---------------------------------------------------------------------
+PEER_EXIT_TIMEOUT = 120  # the job's timeout: a peer's exit must be noticed long before
+
+
+def peer_exit() -> int:
+    """The last rank ends its process (its interpreter exits as a script's does) while
+    every other rank waits in an allreduce, which must raise HorovodInternalError
+    within seconds, not at the timeout. Prints how long it took; the exit status."""
+    rank, size = hvd.rank(), hvd.size()
+    hvd.barrier()
+    if rank == size - 1:
+        time.sleep(0.5)  # the others are inside their allreduce by now
+        return 0
+    started = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(4), name="after the exit")
+    except hvd.HorovodInternalError as error:
+        sys.stdout.write(f"rank {rank} noticed the exit in {time.monotonic() - started:.2f} s: "
+                         f"{error}\n")
+        return 0
+    sys.stdout.write(f"rank {rank}: the allreduce ran without the rank that ended\n")
+    return 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["peer-exit"]:  # under any launcher, on any backend
+        hvd.init(timeout=PEER_EXIT_TIMEOUT)
+        sys.exit(peer_exit())
+    # under mpirun, on the mpi backend; then the last rank ends
+    comm = collectives.init(backend="mpi", timeout=PEER_EXIT_TIMEOUT)
     results = [*check_horovod_face(comm), ddp_join_digest(comm)]
     sys.stdout.write(f"rank {comm.rank} results {results!r}\n")
+    sys.exit(peer_exit())

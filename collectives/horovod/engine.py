@@ -20,10 +20,13 @@ agree on. Here the same, in small:
                                           each idle cycle (up to the cycle time)
 
 Names: `allreduce.<name>` for a named allreduce, `allreduce.noname.<n>` for an unnamed
-one, n counting every submission of this process (Horovod's handle numbers), so ranks
-that submit the same collectives derive the same names. A name is taken from
-submission until its handle is synchronized: a second submission under it is refused
-(ValueError), and whether it is never depends on timing.
+one, so ranks that submit the same unnamed collectives derive the same names. Horovod's
+n is its handle number, which counts every submission; here n counts the unnamed ones
+only, so that named ones submitted from another thread (DistributedOptimizer's buckets,
+launched while the training thread goes on) cannot shift the numbers on one rank and
+not on another. A name is taken from submission until its handle is synchronized: a
+second submission under it is refused (ValueError), and whether it is never depends on
+timing.
 
 Ending: a rank that shuts down (hvd.shutdown(), or its process ending: the engine is
 stopped at exit, before the communicator closes, see launch/exit.py) says so in one
@@ -136,7 +139,8 @@ class Engine:
 
         self._lock = threading.Lock()
         self._wakeup = threading.Event()      # set by each submission
-        self._counter = itertools.count(1)    # Horovod's handle numbers
+        self._handles = itertools.count(1)    # handle numbers
+        self._unnamed = itertools.count(1)    # the <n> of allreduce.noname.<n>
         self.handles: Dict[int, Handle] = {}
         self.names_in_flight: set = set()
         self._queued: List[Request] = []      # submitted, not yet announced
@@ -156,10 +160,12 @@ class Engine:
         without a name); return its handle number. synchronize() returns run's result,
         or then(result)."""
         with self._lock:
-            number = next(self._counter)  # counted even if refused below, as in Horovod
+            number = next(self._handles)
+            if name is None:  # counted even if refused below, as Horovod counts
+                name = f"noname.{next(self._unnamed)}"
             if self.stopped is not None:
                 raise HorovodInternalError(self.stopped)
-            full = f"{kind}.{name}" if name is not None else f"{kind}.noname.{number}"
+            full = f"{kind}.{name}"
             if full in self.names_in_flight:
                 raise ValueError(f"an operation named {full!r} is already in flight: "
                                  "synchronize it before reusing the name")
@@ -174,7 +180,7 @@ class Engine:
         the others' allreduces until every rank has joined. The handle's result is the
         rank that joined last."""
         with self._lock:
-            number = next(self._counter)
+            number = next(self._handles)
             if self.stopped is not None:
                 raise HorovodInternalError(self.stopped)
             if self._join is not None:

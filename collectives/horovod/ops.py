@@ -10,7 +10,7 @@ The synchronous forms are differentiable, with the gradients current Horovod com
 of an allreduce, the same allreduce of the gradient; of an allgather, this rank's rows
 of the gradient averaged over ranks; of a broadcast, the gradient averaged over ranks
 on the root and zeros elsewhere; of an alltoall, the alltoall back; of a reducescatter,
-the allgather of the gradient.
+the allgather of the gradient (times the number of ranks for a sum).
 """
 from __future__ import annotations
 
@@ -403,10 +403,13 @@ class _Reducescatter(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        gathered = synchronize(_submit_allgather([grad], None, then=_gathered_tensor))
-        if ctx.op == Average:
-            gathered = gathered / get_comm().world_size
-        return gathered * ctx.scale, None, None, None, None
+        # As current Horovod: the gradient, times the number of ranks for a sum, times
+        # the scale factors, gathered from every rank.
+        if ctx.op == Sum:
+            grad = grad * get_comm().world_size
+        gathered = synchronize(_submit_allgather([grad * ctx.scale], None,
+                                                 then=_gathered_tensor))
+        return gathered, None, None, None, None
 
 
 # --- the public functions ----------------------------------------------------------------

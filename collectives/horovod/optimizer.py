@@ -19,8 +19,8 @@ import torch
 
 from ..world import get_comm
 from ..bucketer import Bucketer
-from .ops import (Adasum, Average, _submit_allreduce, allgather, broadcast_async_, engine,
-                  global_process_set, synchronize)
+from .ops import (Adasum, Average, Sum, _submit_allreduce, allgather, broadcast_async_,
+                  engine, global_process_set, sparse_allreduce_async, synchronize)
 
 
 # --- compression, as Horovod's: compress(t) -> (t, ctx); decompress(t, ctx) -> t ---------
@@ -155,9 +155,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     Horovod's arguments in Horovod's order. num_groups / groups (Horovod's fusion
     groups) are accepted: buckets of `bucket_cap_mb` do that fusion here.
     sparse_as_dense: sparse gradients (nn.Embedding(sparse=True)) are reduced as dense
-    tensors and handed back sparse; without it they are refused with a clear error.
-    sparse: older Horovod's name for taking sparse gradients; the same here (the values
-    are those of a sparse allreduce; only fewer zeros are dropped).
+    tensors and handed back sparse; without it, as Horovod does, by an allgather of
+    each sparse gradient's indices and values (hvd.sparse_allreduce_async, under the
+    parameter's name), started when the gradient is ready. Every rank must then have a
+    sparse gradient for that parameter in the step, as in Horovod.
+    sparse: older Horovod's name for sparse_as_dense; the same here.
     backward_passes_per_step=k: gradients accumulate locally over k backward passes and
     are averaged at step(): a gradient goes out on its k-th pass, one that came in fewer
     passes goes out at step() with what it accumulated; counts start afresh after each
@@ -200,11 +202,18 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if sent is not flat:
             flat.copy_(compression.decompress(sent, ctx))
 
+    def reduce_sparse(param: torch.Tensor, grad: torch.Tensor):
+        if op not in (Average, Sum):
+            raise NotImplementedError(f"sparse gradients are summed or averaged; op {op!r} "
+                                      "needs sparse_as_dense=True")
+        return sparse_allreduce_async(grad, names[param], op)
+
     ids = {id(p): name for p, name in names.items()}
     bucketer = Bucketer(params, reduce_bucket, comm, bucket_cap_mb=bucket_cap_mb,
                         finish_after_backward=False, names=ids, unused="zeros",
                         passes_per_sync=backward_passes_per_step,
-                        sparse_as_dense=sparse_as_dense or sparse)
+                        sparse_as_dense=sparse_as_dense or sparse,
+                        sparse_reduce=reduce_sparse)
     bucket_names = {bucket.buffer.data_ptr(): f"bucket{bucket.index}.{ids[id(bucket.params[0])]}"
                     for bucket in bucketer.buckets}
     local_step, local_zero_grad = optimizer.step, optimizer.zero_grad
