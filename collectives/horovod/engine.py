@@ -22,9 +22,10 @@ agree on. Here the same, in small:
 Names: `allreduce.<name>` for a named allreduce, `allreduce.noname.<n>` for an unnamed
 one, so ranks that submit the same unnamed collectives derive the same names. Horovod's
 n is its handle number, which counts every submission; here n counts the unnamed ones
-only, so that named ones submitted from another thread (DistributedOptimizer's buckets,
-launched while the training thread goes on) cannot shift the numbers on one rank and
-not on another. A name is taken from submission until its handle is synchronized: a
+only, so that named ones cannot shift the numbers on one rank and not on another: a
+rank that trains one more step before join() submits more of DistributedOptimizer's
+(named) buckets than its peers, and its next unnamed allreduce must still match
+theirs. A name is taken from submission until its handle is synchronized: a
 second submission under it is refused (ValueError), and whether it is never depends on
 timing.
 
@@ -105,12 +106,13 @@ class Request:
     handle: Handle
 
 
-def _env_seconds(name: str, default: float) -> float:
+def _env_number(name: str, default: float) -> float:
+    """A number from the environment (Horovod's settings), or `default`."""
     value = os.environ.get(name, "").strip()
     try:
         return float(value) if value else default
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not a number of seconds") from None
+        raise ValueError(f"{name}={value!r} is not a number") from None
 
 
 class Engine:
@@ -127,15 +129,15 @@ class Engine:
         self.rank, self.world_size = comm.rank, comm.world_size
         self.shadow = shadow
         self.table = Table(comm.world_size)
-        self.stall_timeout = _env_seconds("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) \
+        self.stall_timeout = _env_number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) \
             or comm.timeout.total_seconds()
-        warn_after = _env_seconds("HOROVOD_STALL_CHECK_TIME_SECONDS", STALL_WARNING_SECONDS)
+        warn_after = _env_number("HOROVOD_STALL_CHECK_TIME_SECONDS", STALL_WARNING_SECONDS)
         if os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "").strip().lower() in ("1", "true"):
             warn_after = 0.0
         # Rank 0 watches for stalls; its decisions travel in its messages.
         self.inspector = StallInspector(warn_after, self.stall_timeout, log.warning) \
             if comm.rank == 0 else None
-        self.cycle_seconds = _env_seconds("HOROVOD_CYCLE_TIME", CYCLE_MS) / 1000.0
+        self.cycle_seconds = _env_number("HOROVOD_CYCLE_TIME", CYCLE_MS) / 1000.0
 
         self._lock = threading.Lock()
         self._wakeup = threading.Event()      # set by each submission
