@@ -8,8 +8,8 @@ and the ranks then run the ready collectives in one agreed order.
 
 Here every rank announces, once per cycle of its engine (engine.py), the names it was
 given since the last cycle, each with a `Meta` (kind, dtypes, shapes, op, root, ...).
-Every rank receives every rank's announcements of the cycle (one all-gather) and
-applies them to its `Table`, in rank order:
+Every rank receives every rank's announcements of the cycle and applies them to its
+`Table`, in rank order:
 
     cycle 7   rank 0 announces  allreduce.b   allreduce.a
               rank 1 announces  allreduce.a
@@ -30,9 +30,14 @@ Horovod. When a name is ready its Metas are checked against each other: the same
 with different arguments (shape, dtype, op, root, ...) is an error on every rank that
 submitted it, naming two of them, and the engine goes on with the next name.
 
-Unnamed collectives get Horovod's names: `allreduce.noname.<n>`, n counting every
-collective this process has submitted (engine.py); ranks that call the same collectives
-derive the same names.
+Unnamed collectives get Horovod's names, `allreduce.noname.<n>`, n counting the unnamed
+collectives this process has submitted (engine.py): ranks that make the same unnamed
+calls derive the same names.
+
+What the table costs each cycle: one all-reduce of every rank's message length, and,
+when some rank has something to say, one all-gather of the messages (a few hundred
+bytes per name). Horovod's coordinator instead gathers to rank 0, which answers with a
+broadcast; with every rank holding the table, nobody has to answer.
 
 The stall inspector (rank 0's, as Horovod's coordinator's): a name that some ranks
 announced and the rest have not, for longer than the warning time, is reported
@@ -74,14 +79,11 @@ class Meta:
 
     @classmethod
     def of(cls, kind: str, tensors: Sequence[torch.Tensor] = (), **fields) -> "Meta":
+        """The Meta of `kind` over `tensors` (their dtypes and shapes) and `fields`."""
+        if kind not in KINDS:
+            raise ValueError(f"unknown collective {kind!r}: one of {', '.join(KINDS)}")
         return cls(kind, tuple(_dtype_name(t.dtype) for t in tensors),
                    tuple(tuple(t.shape) for t in tensors), **fields)
-
-    @property
-    def first_dim(self) -> int:
-        """Rows of this rank's (single) tensor; a scalar counts as one."""
-        shape = self.shapes[0]
-        return shape[0] if shape else 1
 
     def describe(self) -> str:
         """e.g. `allreduce of float32 (17, 17), op avg`."""
@@ -158,7 +160,6 @@ class Outcome:
     """What one cycle's messages decided, the same on every rank, in order."""
     ready: List[Tuple[str, Dict[int, Meta]]] = field(default_factory=list)  # run these
     errors: List[Tuple[str, Set[int], str]] = field(default_factory=list)  # (name, ranks, why)
-    joined_ranks: Set[int] = field(default_factory=set)  # ranks inside join() while it ran
     join_done: Optional[int] = None      # every rank has joined: join() returns this rank
     shutdown_by: Optional[int] = None    # the lowest rank that announced a shutdown
 
@@ -193,7 +194,6 @@ class Table:
         if shutting_down:
             outcome.shutdown_by = shutting_down[0]
             return outcome
-        outcome.joined_ranks = set(self.joined)
         for name in list(self.entries):
             entry = self.entries[name]
             if self.missing(entry):
