@@ -184,7 +184,9 @@ class Bucketer:
                  bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
                  gradient_as_bucket_view: bool = False, unused: str = "error",
                  finish_after_backward: bool = True, names: Optional[Dict[int, str]] = None,
-                 passes_per_sync: int = 1, sparse_as_dense: bool = False):
+                 passes_per_sync: int = 1, sparse_as_dense: bool = False,
+                 sparse_reduce: Optional[Callable[[torch.Tensor, torch.Tensor],
+                                                  Callable[[], torch.Tensor]]] = None):
         if unused not in UNUSED_MODES:
             raise ValueError(f"unused={unused!r}: choose from {', '.join(UNUSED_MODES)}")
         trainable = [p for p in reversed(list(params)) if p.requires_grad]
@@ -193,9 +195,14 @@ class Bucketer:
         self.gradient_as_bucket_view = gradient_as_bucket_view
         self.unused = unused
         # Sparse gradients (nn.Embedding(sparse=True)) are reduced as dense tensors when
-        # asked, and handed back sparse; otherwise they are refused.
+        # asked, and handed back sparse; else by `sparse_reduce(param, grad)`, which
+        # starts their reduction and returns a function that waits for the reduced
+        # gradient (the Horovod face's allgather of indices and values: their bucket
+        # slot then carries zeros); with neither, they are refused.
         self.sparse_as_dense = sparse_as_dense
+        self.sparse_reduce = sparse_reduce
         self._sparse: Dict[int, int] = {}  # id(param) -> sparse_dim of its gradient
+        self._sparse_reduced: Dict[int, Callable[[], torch.Tensor]] = {}  # id -> wait
         self.finish_after_backward = finish_after_backward
         self.names = names or {}
         self.buckets: List[Bucket] = []
@@ -263,6 +270,10 @@ class Bucketer:
         if grad is None:
             slot.zero_()
         elif grad.is_sparse:
+            if not self.sparse_as_dense and self.sparse_reduce is not None:
+                slot.zero_()
+                self._sparse_reduced[id(param)] = self.sparse_reduce(param, grad)
+                return
             if not self.sparse_as_dense:
                 raise RuntimeError(f"parameter {self._name(param)} has a sparse gradient: "
                                    "pass sparse_as_dense=True to reduce it as a dense one")
@@ -307,7 +318,11 @@ class Bucketer:
             self._launch_ready_buckets()
         if used_map is not None:
             self._launch_used_map(used_map)
-        self._wait_for_all()
+        try:
+            self._wait_for_all()
+        finally:  # the sparse reductions end too, whatever happened to the buckets
+            sparse_reduced, self._sparse_reduced = self._sparse_reduced, {}
+            reduced_sparse = {key: wait() for key, wait in sparse_reduced.items()}
         if missing and self.unused == "error":
             names = ", ".join(self._name(p) for p in missing[:5])
             raise RuntimeError(
@@ -322,6 +337,9 @@ class Bucketer:
             for position, param in enumerate(bucket.params):
                 if id(param) in globally_unused:
                     continue  # no rank used it: leave .grad as it was, as DDP does
+                if id(param) in reduced_sparse:
+                    param.grad = reduced_sparse[id(param)]
+                    continue
                 slot = bucket.slot(position)
                 if self.grad_scale != 1.0:
                     slot.mul_(self.grad_scale)

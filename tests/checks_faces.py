@@ -5,6 +5,7 @@ file run under mpirun). Each check returns something picklable that the caller c
 across ranks, or raises.
 """
 import sys
+import time
 import warnings
 
 import torch
@@ -72,16 +73,18 @@ def check_horovod_collectives(comm):
     (outs[0].sum() + outs[1].sum()).backward()
     _close(group[0].grad, torch.full_like(mine, size), "grouped grad")
 
-    # allgather: first dimensions may differ; its gradient is this rank's slice of the sum
+    # allgather: first dimensions may differ; its gradient is this rank's rows of the
+    # gradient averaged over ranks (current Horovod's)
     rows = torch.full((rank + 1, 2), float(rank), requires_grad=True)
     gathered = hvd.allgather(rows)
     assert gathered.shape == (sum(r + 1 for r in range(size)), 2)
     expected = torch.cat([torch.full((r + 1, 2), float(r)) for r in range(size)])
     _close(gathered, expected.to(gathered.dtype), "allgather")
     gathered.sum().backward()
-    _close(rows.grad, torch.full((rank + 1, 2), float(size)), "allgather grad")
+    _close(rows.grad, torch.ones(rank + 1, 2), "allgather grad")
 
-    # broadcast: every dtype (int16 too), every root; the gradient lands on the root
+    # broadcast: every dtype (int16 too), every root; the gradient, averaged over ranks,
+    # lands on the root
     for dtype in (torch.int16, torch.int8, torch.uint8, torch.float16, torch.int64):
         for root in range(size):
             value = torch.full((6,), rank + 1).to(dtype)
@@ -90,7 +93,7 @@ def check_horovod_collectives(comm):
             assert torch.equal(value, torch.full((6,), rank + 1).to(dtype)), "input changed"
     leaf = torch.ones(4, requires_grad=True)
     hvd.broadcast(leaf * (rank + 1), root_rank=size - 1).sum().backward()
-    _close(leaf.grad, torch.full((4,), float(size * (rank + 1) if rank == size - 1 else 0)),
+    _close(leaf.grad, torch.full((4,), float(rank + 1 if rank == size - 1 else 0)),
            "broadcast grad")
 
     # alltoall with uneven splits, and its gradient (the alltoall back)
@@ -149,23 +152,108 @@ def check_horovod_join(comm):
     rank, size = hvd.rank(), hvd.size()
     results = []
     for step in range(2 + rank):
-        results.append(hvd.allreduce(torch.tensor([float(step + 1)] * 3), op=hvd.Sum))
+        # named: the ranks make different numbers of these calls, which would put
+        # the numbers of unnamed ones (allreduce.noname.<n>) out of step
+        results.append(hvd.allreduce(torch.tensor([float(step + 1)] * 3), op=hvd.Sum,
+                                     name=f"step {step}"))
     last = hvd.join()
     assert last == size - 1, f"join() returned {last}"
     for step, got in enumerate(results):
         active = sum(1 for r in range(size) if step < 2 + r)
         _close(got, torch.tensor([float(active * (step + 1))] * 3), f"step {step}")
-    # broadcast while a rank is joined: an error on the caller, not a hang
-    if rank == 0:
-        hvd.join()
-    else:
+    # broadcast while a rank is joined: an error on the callers, not a hang. Each rank
+    # is the joined one once, and the broadcast is named: the joined rank makes one
+    # call fewer, which would put the numbers of unnamed calls out of step.
+    for joiner in range(size):
+        if rank == joiner:
+            hvd.join()
+            continue
         try:
-            hvd.broadcast(torch.ones(2), root_rank=1)
+            hvd.broadcast(torch.ones(2), root_rank=(joiner + 1) % size, name="while joined")
             raise AssertionError("broadcast with a joined rank did not raise")
         except RuntimeError as error:
             assert "join" in str(error), error
         hvd.join()
     return last
+
+
+def check_horovod_negotiation(comm):
+    """Negotiation by name, as Horovod's coordinator: ranks may submit named collectives
+    in different orders; the same name with different arguments is an error on every
+    rank, and the next collective runs; a name only some ranks submit is reported by
+    rank 0's stall inspector (which ranks miss which name), then fails on the ranks that
+    submitted it; a sparse allreduce equals the dense one."""
+    from collectives.horovod.ops import engine
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+
+    # different orders: rank 0 submits t0..t3, rank 1 t3..t0, rank 2 t0..t3, ...
+    names = [f"t{k}" for k in range(4)]
+    handles = {name: hvd.allreduce_async(torch.full((3,), float(10 * rank + k)), op=hvd.Sum,
+                                         name=name)
+               for k, name in (enumerate(names) if rank % 2 == 0
+                               else reversed(list(enumerate(names))))}
+    for k, name in enumerate(names):
+        _close(hvd.synchronize(handles[name]),
+               torch.full((3,), float(sum(10 * r + k for r in range(size)))), name)
+    gather = hvd.allgather_async(torch.full((rank + 1,), float(rank)), name="rows")
+    root = hvd.broadcast_async(torch.full((2,), float(rank)), root_rank=size - 1, name="root")
+    if rank % 2:  # and synchronized in either order
+        gather, root = hvd.synchronize(gather), hvd.synchronize(root)
+    else:
+        root, gather = hvd.synchronize(root), hvd.synchronize(gather)
+    _close(root, torch.full((2,), float(size - 1)), "broadcast among others")
+    assert gather.shape == (size * (size + 1) // 2,), gather.shape
+
+    # the same name with different arguments: every rank raises, naming two ranks' calls
+    try:
+        hvd.allreduce(torch.ones(3 + rank), name="mismatch")
+        raise AssertionError("an allreduce of different shapes under one name ran")
+    except hvd.HorovodInternalError as error:
+        assert "disagree on shape" in str(error) and "rank 1 submitted" in str(error), error
+    _close(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)),
+           "the next collective after the error")
+
+    # a name only the last rank submits: a stall warning on rank 0, then an error
+    each = engine()
+    before = each.stall_timeout
+    each.stall_timeout = 1.5
+    if each.inspector is not None:
+        each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
+    hvd.barrier()
+    if rank == size - 1:
+        started = time.monotonic()
+        try:
+            hvd.allreduce(torch.ones(1), name="lonely")
+            raise AssertionError("an allreduce only one rank submitted ran")
+        except hvd.HorovodInternalError as error:
+            assert "stalled" in str(error) and "allreduce.lonely" in str(error), error
+        waited = time.monotonic() - started
+        assert 1.4 < waited < 20, f"the stall error came after {waited:.1f} s"
+    else:  # wait here (not in a collective, which would stall too) until it expired
+        deadline = time.monotonic() + 30
+        while not each.table.entries.get("allreduce.lonely") and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while "allreduce.lonely" in each.table.entries and time.monotonic() < deadline:
+            time.sleep(0.02)
+    if rank == 0:
+        report = each.inspector.reports[-1]
+        missing = [f"rank {r}: [allreduce.lonely]" for r in range(size - 1)]
+        assert all(line in report for line in missing), report
+    hvd.barrier()
+    each.stall_timeout = before
+    if each.inspector is not None:
+        each.inspector.fail_after = before
+
+    # sparse allreduce: an allgather of indices and values, equal to the dense allreduce
+    generator = torch.Generator().manual_seed(rank)
+    dense = torch.rand(12, 5, generator=generator)
+    dense[dense < 0.7] = 0
+    averaged = hvd.allreduce(dense, name="dense")
+    sparse = hvd.sparse_allreduce_async(dense.to_sparse(), name="sparse", op=hvd.Average)()
+    assert sparse.is_sparse
+    _close(sparse.to_dense(), averaged, "sparse allreduce", rtol=1e-6, atol=1e-7)
+    return float(averaged.sum())
 
 
 # --- Horovod's optimizer -------------------------------------------------------------------
@@ -362,7 +450,7 @@ def check_horovod_face(comm):
     """Every Horovod check above, one after another in one world."""
     return (check_horovod_collectives(comm), check_horovod_join(comm),
             check_horovod_uneven_parameters(comm), check_horovod_join_training(comm),
-            check_horovod_optimizer_rules(comm))
+            check_horovod_optimizer_rules(comm), check_horovod_negotiation(comm))
 
 
 # --- our DDP ---------------------------------------------------------------------------------
@@ -476,7 +564,36 @@ def check_ddp_torch_arguments(comm):
     return model.broadcast_buffers
 
 
-if __name__ == "__main__":  # under mpirun, on the mpi backend
-    comm = collectives.init(backend="mpi", timeout=60)
+# --- a rank that ends ---------------------------------------------------------------------
+PEER_EXIT_TIMEOUT = 120  # the job's timeout: a peer's exit must be noticed long before
+
+
+def peer_exit() -> int:
+    """The last rank ends its process (its interpreter exits as a script's does) while
+    every other rank waits in an allreduce, which must raise HorovodInternalError
+    within seconds, not at the timeout. Prints how long it took; the exit status."""
+    rank, size = hvd.rank(), hvd.size()
+    hvd.barrier()
+    if rank == size - 1:
+        time.sleep(0.5)  # the others are inside their allreduce by now
+        return 0
+    started = time.monotonic()
+    try:
+        hvd.allreduce(torch.ones(4), name="after the exit")
+    except hvd.HorovodInternalError as error:
+        sys.stdout.write(f"rank {rank} noticed the exit in {time.monotonic() - started:.2f} s: "
+                         f"{error}\n")
+        return 0
+    sys.stdout.write(f"rank {rank}: the allreduce ran without the rank that ended\n")
+    return 1
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["peer-exit"]:  # under any launcher, on any backend
+        hvd.init(timeout=PEER_EXIT_TIMEOUT)
+        sys.exit(peer_exit())
+    # under mpirun, on the mpi backend; then the last rank ends
+    comm = collectives.init(backend="mpi", timeout=PEER_EXIT_TIMEOUT)
     results = [*check_horovod_face(comm), ddp_join_digest(comm)]
     sys.stdout.write(f"rank {comm.rank} results {results!r}\n")
+    sys.exit(peer_exit())

@@ -95,6 +95,15 @@ def check_reductions(gloo, rank, size):
     assert work.wait() is True
     assert torch.equal(work.get_future().wait()[0], ours)
     same(ours, ref, "all_reduce run on the caller's thread")
+    # sparse: every rank's non-zeros, summed where they coincide, as gloo sums them
+    dense = torch.zeros(2 * size, 3)
+    dense[rank] = values(rank, 3)
+    dense[-1] = 1.0  # every rank has this row
+    ours, ref = dense.to_sparse(), dense.to_sparse()
+    dist.all_reduce(ours)
+    dist.all_reduce(ref, group=gloo)
+    assert ours.is_sparse, "all_reduce of a sparse tensor made it dense"
+    same(ours.to_dense(), ref.to_dense(), "all_reduce sparse")
     tensors, refs = [values(rank), values(rank, 3)], [values(rank), values(rank, 3)]
     dist.all_reduce_coalesced(tensors)
     dist.all_reduce_coalesced(refs, group=gloo)

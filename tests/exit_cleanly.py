@@ -140,26 +140,28 @@ def _fail_while_the_segments_exist() -> None:
 
 def _stall_with_a_reduction_in_flight(comm) -> None:
     """Rank 0 ends its script while its comm thread is still inside a bucket's
-    reduction: it runs backward under the Horovod face (whose step() would wait for the
-    buckets) and stops there. Rank 1 stalls past rank 0's exit grace
-    (EXIT_GRACE_SECONDS), so that exit finds the reduction still waiting for rank 1,
-    then ends without communicating.
+    reduction: backward hands the bucket to the thread (a Bucketer, as DDP's, whose
+    step never comes) and the script stops there. Rank 1 stalls past rank 0's exit
+    grace (EXIT_GRACE_SECONDS), so that exit finds the reduction still waiting for
+    rank 1, then ends without communicating. (Not the Horovod face: its engine tells
+    the other ranks when one ends, and the reduction fails at once.)
 
     Rank 1 stalls until rank 0 is gone, or at most a few seconds past the grace: under
     mpirun, rank 0's MPI_Finalize waits for rank 1's."""
     import torch
     import collectives
-    from collectives import horovod as hvd
+    from collectives.bucketer import Bucketer
     from collectives.launch.exit import EXIT_GRACE_SECONDS
     pids = torch.zeros(comm.world_size, dtype=torch.int64)
     pids[comm.rank] = os.getpid()
     collectives.all_reduce(pids, op="sum")  # every rank's pid
     model = torch.nn.Linear(20, 4)
-    hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                             named_parameters=model.named_parameters())
+    bucketer = Bucketer(list(model.parameters()), lambda flat: collectives.all_reduce(flat),
+                        comm, finish_after_backward=False, unused="zeros")
     ending = os.path.join(os.environ["EXIT_CLEANLY_DIR"], "rank-0-ending")
     if comm.rank == 0:
         model(torch.randn(8, 20)).sum().backward()  # the bucket goes to the comm thread
+        assert bucketer.in_flight
         open(ending, "w").close()
         return
     deadline = time.monotonic() + JOB_LIMIT / 2

@@ -22,11 +22,15 @@ and runs one pytest process per rank for the whole file under mpirun, as Horovod
 does. Each rank writes a JUnit report; the summary counts every test by its outcome on
 all ranks (a test passes when it passes on every rank) and names the failures. A job
 that outlives --timeout is killed and reported as hung, with the test it was in.
+
+--each runs one job per test instead (pytest's node id, `FILE::CLASS::test_x`), each
+under its own --timeout: no test can then be harmed by the one before it.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -136,6 +140,46 @@ def last_test_started(log: str) -> str:
     return started[-1] if started else "?"
 
 
+def test_ids(target: str) -> list:
+    """pytest's node id of every test method in the file, in the file's order."""
+    with open(target) as source:
+        text = source.read()
+    ids, current = [], None
+    for line in text.splitlines():
+        found_class = re.match(r"class (\w+)\(", line)
+        if found_class:
+            current = found_class.group(1)
+        found_test = re.match(r"    def (test_\w+)\(self", line)
+        if found_test and current:
+            ids.append(f"{os.path.basename(target)}::{current}::{found_test.group(1)}")
+    return ids
+
+
+def run_job(folder: str, selection: str, args) -> tuple:
+    """One mpirun of one pytest per rank over `selection` (the file, or a node id):
+    every test's outcome per rank, and the test it hung in (None if it did not)."""
+    for rank in range(args.np):  # a report left by an earlier job must not count
+        if os.path.exists(os.path.join(folder, f"rank{rank}.xml")):
+            os.remove(os.path.join(folder, f"rank{rank}.xml"))
+    command, environment = mpirun_command(
+        args.np, [sys.executable, "-c", RUN_RANK, selection]
+        + (["-k", args.select] if args.select else []))
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [folder,
+                                                              environment.get("PYTHONPATH")]))
+    hung = None
+    try:
+        finished = subprocess.run(command, cwd=folder, env=environment, timeout=args.timeout,
+                                  capture_output=True, text=True)
+        log = finished.stdout + finished.stderr
+    except subprocess.TimeoutExpired as expired:
+        log = (expired.stdout or b"").decode(errors="replace") if isinstance(
+            expired.stdout, bytes) else (expired.stdout or "")
+        hung = last_test_started(log) if "::" not in selection else selection
+    with open(os.path.join(folder, "job.log"), "a") as out:
+        out.write(log)
+    return outcomes(folder, args.np), hung
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("test_file", help="Horovod's test/parallel/test_torch.py")
@@ -148,29 +192,26 @@ def main(argv=None) -> int:
                         help="alias inspect.getargspec for the file's older tests")
     parser.add_argument("--without-optimizer", action="append", default=[], metavar="NAME",
                         help="hide torch.optim.NAME from the file's optimizer loops")
+    parser.add_argument("--each", action="store_true",
+                        help="one job per test, each under --timeout")
     args = parser.parse_args(argv)
     folder = tempfile.mkdtemp(prefix="horovod-suite-")
     target = prepare(os.path.abspath(args.test_file), folder, args.py311_compat,
                      args.without_optimizer)
-    command, environment = mpirun_command(
-        args.np, [sys.executable, "-c", RUN_RANK, os.path.basename(target)]
-        + (["-k", args.select] if args.select else []))
-    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [folder,
-                                                              environment.get("PYTHONPATH")]))
-    print("running:", " ".join(command[:3]), "python -m pytest", os.path.basename(target),
-          "(one pytest per rank) in", folder, flush=True)
-    hung = None
-    try:
-        finished = subprocess.run(command, cwd=folder, env=environment, timeout=args.timeout,
-                                  capture_output=True, text=True)
-        log = finished.stdout + finished.stderr
-    except subprocess.TimeoutExpired as expired:
-        log = (expired.stdout or b"").decode(errors="replace") if isinstance(
-            expired.stdout, bytes) else (expired.stdout or "")
-        hung = last_test_started(log)
-    with open(os.path.join(folder, "job.log"), "w") as out:
-        out.write(log)
-    table = outcomes(folder, args.np)
+    print("running:", "mpirun -np", args.np, "python -m pytest", os.path.basename(target),
+          "(one pytest per rank" + (", one job per test" if args.each else "") + ") in",
+          folder, flush=True)
+    if args.each:
+        table, hung = defaultdict(dict), []
+        for node in test_ids(target):
+            outcome, hung_in = run_job(folder, node, args)
+            for name, by_rank in outcome.items():
+                table[name].update(by_rank)
+            if hung_in:
+                hung.append(node.split("::")[-1])
+        hung = ", ".join(hung)
+    else:
+        table, hung = run_job(folder, os.path.basename(target), args)
     totals = defaultdict(list)
     for name, by_rank in sorted(table.items()):
         seen = set(by_rank.values())
@@ -189,7 +230,7 @@ def main(argv=None) -> int:
     print(f"{len(table)} tests: " + ", ".join(f"{len(totals[v])} {v}" for v in
                                               ("passed", "failed", "skipped", "incomplete")))
     if hung:
-        print(f"HUNG after {args.timeout:.0f} s in {hung}")
+        print(f"HUNG after {args.timeout:.0f} s{' (each)' if args.each else ''} in {hung}")
     print(f"log and reports: {folder}" if args.keep or totals["failed"] or hung
           else "", end="")
     if not (args.keep or totals["failed"] or hung):

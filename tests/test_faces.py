@@ -28,16 +28,40 @@ def same_everywhere(results):
 def test_horovod_face_has_horovods_semantics(world_size):
     """Every collective and its forms; join() with zeros from the joined and the last
     rank's number, alone and under DistributedOptimizer on uneven inputs; ranks that
-    use different parameters (once a 300 s hang); the optimizer's rules."""
+    use different parameters (once a 300 s hang); the optimizer's rules; negotiation
+    by name: different orders of submission, the same name with different arguments
+    (an error on every rank), a name one rank submits alone (rank 0's stall warning,
+    then an error, at a stall timeout of 1.5 s here), sparse allreduce."""
     results = same_everywhere([r[1:] for r in run_world(checks.check_horovod_face,
                                                         world_size, timeout=220)])
     assert results[0] == results[2] == world_size - 1  # join() named the last rank
 
 
+def _seconds_to_notice_an_exit(output: str) -> list:
+    """From checks_faces.peer_exit's lines: how long each surviving rank took."""
+    return [float(line.split(" noticed the exit in ")[1].split(" s")[0])
+            for line in output.splitlines() if " noticed the exit in " in line]
+
+
+@pytest.mark.timeout(120)
+def test_horovod_a_rank_that_ends_is_noticed_within_seconds_under_torchrun():
+    """The last rank's process ends while the other waits in an allreduce, which raises
+    HorovodInternalError within seconds though the job's timeout is 120 s (it used to
+    wait out the whole timeout). Under mpirun: test_both_faces_on_the_mpi_backend."""
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                          "2", "--master-port", str(free_port()), "checks_faces.py",
+                          "peer-exit"], cwd=HERE, capture_output=True, text=True, timeout=100,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stdout + out.stderr
+    noticed = _seconds_to_notice_an_exit(out.stdout)
+    assert len(noticed) == 1 and noticed[0] < 20, out.stdout + out.stderr
+
+
 @pytest.mark.timeout(300)
 def test_both_faces_on_the_mpi_backend():
     """The Horovod checks and our DDP's join() under mpirun; join ends where it ends on
-    gloo, bit for bit."""
+    gloo, bit for bit. Then the last rank ends, and the others, waiting in an
+    allreduce, raise within seconds (the timeout is 120 s)."""
     on_gloo = same_everywhere(run_world(checks.ddp_join_digest, 3, timeout=100))
     out = subprocess.run([find_mpirun()[0], "-np", "3", sys.executable, "checks_faces.py"],
                          cwd=HERE, capture_output=True, text=True, timeout=220,
@@ -46,6 +70,8 @@ def test_both_faces_on_the_mpi_backend():
     lines = [line.split("results ")[1] for line in out.stdout.splitlines() if "results" in line]
     assert len(lines) == 3 and len(set(lines)) == 1, out.stdout
     assert ast.literal_eval(lines[0])[-1] == on_gloo, (lines[0], on_gloo)
+    noticed = _seconds_to_notice_an_exit(out.stdout)
+    assert len(noticed) == 2 and max(noticed) < 20, out.stdout + out.stderr
 
 
 @pytest.mark.timeout(200)
@@ -109,3 +135,71 @@ def test_horovod_backward_passes_per_step_with_a_parameter_used_in_fewer_passes(
 def test_horovod_more_backward_passes_than_per_step_fail_clearly():
     for message in run_world(checks.check_horovod_too_many_backward_passes, 2, timeout=100):
         assert "more backward passes" in message, message
+
+
+# --- negotiation by name, on its own (one process: the table every rank keeps) ------------
+def _meta(shape=(3,), kind="allreduce", op="sum"):
+    from collectives.horovod.negotiation import Meta
+    return Meta.of(kind, [torch.zeros(shape)], op=op if kind == "allreduce" else None)
+
+
+def test_negotiation_runs_a_name_once_every_rank_has_submitted_it_in_any_order():
+    from collectives.horovod.negotiation import Message, Table
+    table = Table(2)
+    first = table.apply([Message([("allreduce.b", _meta()), ("allreduce.a", _meta())]),
+                         Message([("allreduce.a", _meta())])], now=0.0)
+    assert [name for name, _ in first.ready] == ["allreduce.a"]
+    assert list(table.entries) == ["allreduce.b"] and table.missing(table.entries[
+        "allreduce.b"]) == [1]
+    second = table.apply([Message(), Message([("allreduce.b", _meta())])], now=1.0)
+    assert [name for name, _ in second.ready] == ["allreduce.b"] and not table.entries
+
+
+def test_negotiation_fails_one_name_on_every_rank_when_arguments_differ():
+    from collectives.horovod.negotiation import Message, Table
+    outcome = Table(2).apply([Message([("allreduce.x", _meta((3,)))]),
+                              Message([("allreduce.x", _meta((4,)))])], now=0.0)
+    [(name, ranks, why)] = outcome.errors
+    assert name == "allreduce.x" and ranks == {0, 1} and not outcome.ready
+    assert "disagree on shape" in why and "(3,)" in why and "(4,)" in why, why
+    gathers = Table(2).apply([Message([("allgather.y", _meta((3, 2), "allgather"))]),
+                              Message([("allgather.y", _meta((5, 2), "allgather"))])], 0.0)
+    assert [name for name, _ in gathers.ready] == ["allgather.y"]  # first dims may differ
+
+
+def test_negotiation_with_a_joined_rank():
+    from collectives.horovod.negotiation import Message, Table
+    table = Table(2)
+    outcome = table.apply([Message([("allreduce.x", _meta()),
+                                    ("allgather.y", _meta(kind="allgather"))]),
+                           Message(join=True)], now=0.0)
+    assert [name for name, _ in outcome.ready] == ["allreduce.x"]  # rank 1 adds zeros
+    [(name, ranks, why)] = outcome.errors
+    assert name == "allgather.y" and ranks == {0} and "join" in why
+    assert outcome.join_done is None
+    done = table.apply([Message(join=True), Message()], now=1.0)
+    assert done.join_done == 0  # the rank that joined last
+
+
+def test_negotiation_stall_warning_then_error():
+    from collectives.horovod.negotiation import Message, StallInspector, Table
+    table, warnings = Table(3), []
+    table.apply([Message(), Message([("allreduce.x", _meta())]), Message()], now=0.0)
+    inspector = StallInspector(warn_after=1.0, fail_after=10.0, report=warnings.append)
+    assert inspector.inspect(table, now=0.5) == [] and not warnings
+    assert inspector.inspect(table, now=2.0) == []
+    assert "rank 0: [allreduce.x]" in warnings[0] and "rank 2: [allreduce.x]" in warnings[0]
+    expired = inspector.inspect(table, now=11.0)
+    assert expired == ["allreduce.x"]
+    outcome = table.apply([Message(expired=expired), Message(), Message()], now=11.0,
+                          stall_timeout=10.0)
+    [(name, ranks, why)] = outcome.errors
+    assert ranks == {1} and "stalled" in why and "[0, 2]" in why, why
+    assert not table.entries
+
+
+def test_negotiation_shutdown_of_one_rank_reaches_every_rank():
+    from collectives.horovod.negotiation import Message, Table
+    outcome = Table(2).apply([Message([("allreduce.x", _meta())]), Message(shutdown=True)],
+                             now=0.0)
+    assert outcome.shutdown_by == 1 and not outcome.ready

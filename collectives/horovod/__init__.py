@@ -2,24 +2,28 @@
 
 A Horovod training script runs with that one import changed. Underneath:
 
-    hvd.init()                        collectives.init() (idempotent, as Horovod's)
-    hvd.allreduce / allgather /       a job on the face's engine thread (engine.py):
-      broadcast / alltoall /          the ranks negotiate (a mismatch is an error on
-      reducescatter (+ _async,        every rank, not a hang), then our algorithms run;
-      in-place _ and grouped_)        the synchronous forms are differentiable (ops.py)
+    hvd.init()                        collectives.init() (idempotent, as Horovod's),
+                                      and the face's engine thread (engine.py)
+    hvd.allreduce / allgather /       submitted to the engine under a name; it runs
+      broadcast / alltoall /          once every rank has submitted that name, in any
+      reducescatter (+ _async,        order (negotiation.py); the same name with other
+      in-place _ and grouped_)        arguments is an error on every rank; the
+                                      synchronous forms are differentiable (ops.py)
+    hvd.sparse_allreduce_async        an allgather of indices and one of values
     hvd.join()                        stand in for the others' allreduces with zeros
     hvd.DistributedOptimizer          the Bucketer of our DDP, each bucket an allreduce
-                                      on the engine (optimizer.py)
+                                      named after its parameters (optimizer.py)
     hvd.broadcast_parameters /        one broadcast per dtype / rank root's state_dict,
       broadcast_optimizer_state /       pickled and broadcast
       broadcast_object / allgather_object
+    hvd.shutdown(), or the end of     every rank's engine stops with it: what waits
+      the process                       there raises HorovodInternalError at once
 
-Differences from Horovod: collectives are matched in call order (Horovod matches them
-by name), so every rank must issue them in the same order; CPU tensors only.
+Differences from Horovod: CPU tensors only; see docs/faces.md.
 
 Not provided (each raises NotImplementedError): Adasum, process sets other than the
-global one, sparse allreduce (use sparse_as_dense=True), SyncBatchNorm, the timeline,
-elastic training; the TensorFlow / Keras / MXNet APIs are not here at all.
+global one, SyncBatchNorm, the timeline, elastic training; the TensorFlow / Keras /
+MXNet APIs are not here at all.
 """
 from __future__ import annotations
 
@@ -35,8 +39,9 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   broadcast_async_, forget_engines, global_process_set, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                   grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
-                  join, poll, reducescatter, reducescatter_async, sparse_allreduce_async,
-                  synchronize)
+                  join, poll, reducescatter, reducescatter_async,
+                  sparse_allreduce_async, synchronize)
+from .ops import engine as _engine
 from .engine import HorovodInternalError
 
 
@@ -54,13 +59,13 @@ def init(comm=None, process_sets=None, *, backend: str = "auto", timeout=None) -
         if comm != MPI.COMM_WORLD:
             raise NotImplementedError("hvd.init(comm=...) takes only MPI.COMM_WORLD")
         backend = "mpi"
-    if is_initialized():
-        return
-    import torch.distributed as dist
-    if dist.is_available() and dist.is_initialized():
-        get_comm()  # the script's own torch.distributed group is adopted
-        return
-    world.init(backend=backend, timeout=timeout)
+    if not is_initialized():
+        import torch.distributed as dist
+        if dist.is_available() and dist.is_initialized():
+            get_comm()  # the script's own torch.distributed group is adopted
+        else:
+            world.init(backend=backend, timeout=timeout)
+    _engine()  # every rank makes its engine here, at the same point
 
 
 def is_initialized() -> bool:
@@ -68,7 +73,9 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Stop the engine and close the communicator; init() may be called again."""
+    """Stop the engine, which tells every rank's engine to stop too (what waits there
+    raises HorovodInternalError), and close the communicator; init() may be called
+    again (on every rank)."""
     forget_engines()
     world.destroy()
 

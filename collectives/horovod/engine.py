@@ -1,248 +1,340 @@
-r"""The Horovod face's engine: one background thread that runs every collective, in order.
+r"""The Horovod face's engine: a background thread that negotiates collectives by name,
+runs them, and shuts down with its peers.
 
 Horovod runs collectives on a background thread, asynchronously (`allreduce_async`
-returns a handle at once; `poll` and `synchronize` ask about it), and before each one
-the ranks *negotiate*: they tell each other what they are about to run, so that a
-mismatch becomes an error instead of a hang, and so that a rank that has called
-`join()` can stand in for the collectives it will never call itself.
+returns a handle at once; `poll` and `synchronize` ask about it). The thread works in
+cycles; in each one every rank tells every other what it has been asked to run, by
+name, and the collectives that every rank has asked for run, in an order they all
+agree on. Here the same, in small:
 
-Here the same, in small:
+    caller threads                     engine thread (one per communicator), each cycle
+    --------------                     -------------------------------------------------
+    h = allreduce_async(t, name="a")   1. announce the names submitted since last cycle
+      -> queued, handle h              2. all-gather every rank's announcement (one tiny
+    poll(h) -> False                      all-reduce of their lengths, one all-gather)
+    synchronize(h) ... waits           3. apply them to the table (negotiation.py): the
+                                          same on every rank, so the same names are ready
+                                       4. run the ready ones with our algorithms, in the
+                 <--result---             table's order; fail the ones that disagree
+                                       5. nothing to do anywhere: wait a little longer
+                                          each idle cycle (up to the cycle time)
 
-    caller thread                      engine thread (one per communicator)
-    -------------                      ------------------------------------
-    h = allreduce_async(t)  --job-->   negotiate: every rank's row, one tiny all-reduce
-    poll(h)  -> False                  check the rows agree (else: error on every rank)
-    synchronize(h) ... waits           run the collective with our algorithms
-                 <--result--           mark h done
+Names: `allreduce.<name>` for a named allreduce, `allreduce.noname.<n>` for an unnamed
+one, so ranks that submit the same unnamed collectives derive the same names. Horovod's
+n is its handle number, which counts every submission; here n counts the unnamed ones
+only, so that named ones cannot shift the numbers on one rank and not on another: a
+rank that trains one more step before join() submits more of DistributedOptimizer's
+(named) buckets than its peers, and its next unnamed allreduce must still match
+theirs. A name is taken from submission until its handle is synchronized: a
+second submission under it is refused (ValueError), and whether it is never depends on
+timing.
 
-Jobs run one at a time in submission order, so every rank must submit its collectives
-in the same order (Horovod matches them by name instead; here a name only guards
-against reusing one that is still in flight).
+Ending: a rank that shuts down (hvd.shutdown(), or its process ending: the engine is
+stopped at exit, before the communicator closes, see launch/exit.py) says so in one
+last cycle, and every rank's engine stops with it: what was waiting there fails at once
+with HorovodInternalError, as does anything submitted later, instead of waiting for the
+timeout. A peer that dies without a word is found by the transport (a closed connection,
+or shared memory's check of its process) in the next cycle, with the same effect. An
+error that concerns one collective (the ranks disagree on it, it stalled past the
+timeout, it cannot run while a rank is joined) fails that collective only, on every
+rank that submitted it, and the next one runs as usual.
 
-A negotiation row describes one call:
-
-    [joined, kind, dtype, ndim, first dim, checksum of the other dims, numel, op, root,
-     algorithm]
-
-`joined` is 1 for a rank inside join(): it runs no collective of its own and, round
-after round, does what the others' rows say: an allreduce with zeros of their shape
-(its contribution, as in Horovod), nothing for collectives that cannot take part
-(those raise on the callers). When every row says joined, join() returns the rank
-that joined last.
+The engine talks over a duplicate of the communicator, so its cycles never mix with
+other traffic (the script's own collectives, DDP's buckets).
 """
 from __future__ import annotations
 
 import itertools
+import logging
+import os
+import pickle
 import threading
-import zlib
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
 from .. import api
-from ..bucketer import CommWorker
-from ..transport import Transport
+from ..launch.exit import stop_at_exit
+from ..transport import PeerError, Transport
+from .negotiation import Message, Meta, Outcome, StallInspector, Table
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
-OPS = ("sum", "avg", "min", "max", "product")
-DTYPES = api.SUPPORTED_DTYPES
-ALGORITHMS = list(api.ALGORITHM_IDS)
+log = logging.getLogger("collectives.horovod")
+
+# Horovod's settings, read once per engine (seconds unless said otherwise)
+STALL_WARNING_SECONDS = 60.0   # HOROVOD_STALL_CHECK_TIME_SECONDS
+CYCLE_MS = 5.0                 # HOROVOD_CYCLE_TIME: the longest idle wait between cycles
+FIRST_IDLE_WAIT = 0.0005       # an idle cycle waits this long, doubling up to CYCLE_MS
 
 
 class HorovodInternalError(RuntimeError):
-    """A collective failed on this rank (the name Horovod gives such errors)."""
-
-
-@dataclass
-class Call:
-    """What one rank is about to run: the fields of its negotiation row."""
-    kind: str
-    tensor: Optional[torch.Tensor] = None
-    op: Optional[str] = None
-    root: int = -1
-    algorithm: str = "auto"
-
-    def row(self, joined: bool) -> List[int]:
-        if self.tensor is None:
-            shape, dtype = (), -1
-        else:
-            shape, dtype = tuple(self.tensor.shape), DTYPES.index(self.tensor.dtype)
-        first = shape[0] if shape else 1
-        rest = zlib.crc32(repr(shape[1:]).encode())
-        numel = 0 if self.tensor is None else self.tensor.numel()
-        return [int(joined), KINDS.index(self.kind), dtype, len(shape), first, rest, numel,
-                OPS.index(self.op) if self.op else -1, self.root,
-                ALGORITHMS.index(self.algorithm)]
-
-
-@dataclass
-class Rows:
-    """Every rank's negotiation row, with the questions the engine asks of them."""
-    table: List[List[int]]
-
-    @property
-    def joined(self) -> List[int]:
-        return [rank for rank, row in enumerate(self.table) if row[0]]
-
-    @property
-    def active(self) -> List[int]:
-        return [rank for rank, row in enumerate(self.table) if not row[0]]
-
-    def first_dims(self) -> List[int]:
-        return [row[4] for row in self.table]
-
-    def check(self) -> None:
-        """Raise (identically on every rank) unless the active ranks agree."""
-        active = self.active
-        if not active:
-            return
-        first = self.table[active[0]]
-        kind = KINDS[first[1]]
-
-        def describe(rank: int) -> str:
-            row = self.table[rank]
-            dtype = str(DTYPES[row[2]]).replace("torch.", "") if row[2] >= 0 else "-"
-            return (f"rank {rank} called {KINDS[row[1]]} (dtype {dtype}, {row[3]} dims, "
-                    f"first dim {row[4]}, {row[6]} elements"
-                    + (f", op {OPS[row[7]]}" if row[7] >= 0 else "")
-                    + (f", root {row[8]}" if row[8] >= 0 else "") + ")")
-
-        for rank in active[1:]:
-            row = self.table[rank]
-            same = {
-                "kind": row[1] == first[1],
-                "dtype": row[2] == first[2],
-                "dims": row[3] == first[3] and row[5] == first[5],
-                # allgather and alltoall may differ in the first dimension, nothing else
-                "first dim": row[4] == first[4] or kind in ("allgather", "alltoall"),
-                "op": row[7] == first[7],
-                "root": row[8] == first[8],
-                "algorithm": row[9] == first[9],
-            }
-            wrong = [what for what, ok in same.items() if not ok]
-            if wrong:
-                raise HorovodInternalError(
-                    f"{kind}: the ranks disagree on {', '.join(wrong)}: "
-                    f"{describe(active[0])}; {describe(rank)}")
-        if self.joined and kind not in ("allreduce", "barrier"):
-            raise HorovodInternalError(
-                f"{kind}: rank(s) {self.joined} have called join(); while a rank is joined "
-                "only allreduce can run (as in Horovod)")
+    """A collective failed (the name Horovod gives such errors)."""
 
 
 class Handle:
-    """An operation in flight: `poll()` without blocking, `wait()` for its result."""
+    """An operation in flight: done once the engine has its result or its error."""
 
-    def __init__(self, name: Optional[str]):
+    def __init__(self, name: str, then: Optional[Callable[[Any], Any]] = None):
         self.name = name
+        self.then = then  # what synchronize() returns, made from the result
         self.done = threading.Event()
         self.result: Any = None
         self.error: Optional[BaseException] = None
 
+    def finish(self, result: Any) -> None:
+        self.result = result
+        self.done.set()
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self.done.set()
+
+
+# run(metas, comm): the collective itself, on the engine thread, once every rank has
+# submitted the name; `metas` holds every submitting rank's Meta (allgather needs the
+# others' first dimensions, alltoall their splits).
+Run = Callable[[Dict[int, Meta], Transport], Any]
+
+
+@dataclass
+class Request:
+    """One submission of this rank: its full name, its Meta, how to run it, its handle."""
+    name: str
+    meta: Meta
+    run: Run
+    handle: Handle
+
+
+def _env_number(name: str, default: float) -> float:
+    """A number from the environment (Horovod's settings), or `default`."""
+    value = os.environ.get(name, "").strip()
+    try:
+        return float(value) if value else default
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number") from None
+
 
 class Engine:
-    """Runs the face's collectives on one thread, negotiated, in submission order."""
+    """Negotiates and runs the face's collectives on one thread (see the top).
 
-    def __init__(self, comm: Transport):
-        self.comm = comm
-        self.worker = CommWorker()
+    shadow(meta, comm): this rank's part, while joined, in a collective the others run
+    (an allreduce: zeros of its shape; a barrier: nothing).
+    """
+
+    def __init__(self, comm: Transport, shadow: Callable[[Meta, Transport], None]):
+        self.parent = comm
+        # Collective: every rank makes its engine at the same point (hvd.init()).
+        self.comm = comm.duplicate() if comm.world_size > 1 else comm
+        self.rank, self.world_size = comm.rank, comm.world_size
+        self.shadow = shadow
+        self.table = Table(comm.world_size)
+        self.stall_timeout = _env_number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) \
+            or comm.timeout.total_seconds()
+        warn_after = _env_number("HOROVOD_STALL_CHECK_TIME_SECONDS", STALL_WARNING_SECONDS)
+        if os.environ.get("HOROVOD_STALL_CHECK_DISABLE", "").strip().lower() in ("1", "true"):
+            warn_after = 0.0
+        # Rank 0 watches for stalls; its decisions travel in its messages.
+        self.inspector = StallInspector(warn_after, self.stall_timeout, log.warning) \
+            if comm.rank == 0 else None
+        self.cycle_seconds = _env_number("HOROVOD_CYCLE_TIME", CYCLE_MS) / 1000.0
+
+        self._lock = threading.Lock()
+        self._wakeup = threading.Event()      # set by each submission
+        self._handles = itertools.count(1)    # handle numbers
+        self._unnamed = itertools.count(1)    # the <n> of allreduce.noname.<n>
         self.handles: Dict[int, Handle] = {}
         self.names_in_flight: set = set()
-        self._ids = itertools.count()
-        self._lock = threading.Lock()
-        self.last_rows: Optional[Rows] = None  # the previous round, for join()'s answer
+        self._queued: List[Request] = []      # submitted, not yet announced
+        self._announced: Dict[str, Request] = {}  # announced, waiting to be ready
+        self._join: Optional[Handle] = None   # join() in progress
+        self._join_announced = False
+        self._stopping = False                # stop() asked: announce it, then end
+        self.stopped: Optional[str] = None    # why the engine no longer runs anything
+        self.thread = threading.Thread(target=self._loop, name="horovod-engine", daemon=True)
+        self.thread.start()
+        stop_at_exit(self)
 
-    # --- submitting -------------------------------------------------------------------
-    def submit(self, job: Callable[[], Any], name: Optional[str] = None,
-               kind: str = "op") -> int:
-        """Queue `job` (it runs on the engine thread); return its handle number.
-
-        Horovod refuses a second operation of a kind under the name of one in flight.
-        Here a name stays taken until its handle is synchronized (not merely until the
-        operation ends), so whether a reuse is refused never depends on timing.
-        """
-        if name is not None:
-            name = f"{kind}.{name}"
+    # --- submitting (any thread) ------------------------------------------------------
+    def submit(self, kind: str, name: Optional[str], meta: Meta, run: Run,
+               then: Optional[Callable[[Any], Any]] = None) -> int:
+        """Queue a collective for negotiation under `kind.name` (`kind.noname.<n>`
+        without a name); return its handle number. synchronize() returns run's result,
+        or then(result)."""
         with self._lock:
-            if name is not None:
-                if name in self.names_in_flight:
-                    raise ValueError(f"an operation named {name!r} is already in flight: "
-                                     "synchronize it before reusing the name")
-                self.names_in_flight.add(name)
-            handle_id = next(self._ids)
-            handle = self.handles[handle_id] = Handle(name)
+            number = next(self._handles)
+            if name is None:  # counted even if refused below, as Horovod counts
+                name = f"noname.{next(self._unnamed)}"
+            if self.stopped is not None:
+                raise HorovodInternalError(self.stopped)
+            full = f"{kind}.{name}"
+            if full in self.names_in_flight:
+                raise ValueError(f"an operation named {full!r} is already in flight: "
+                                 "synchronize it before reusing the name")
+            self.names_in_flight.add(full)
+            handle = self.handles[number] = Handle(full, then)
+            self._queued.append(Request(full, meta, run, handle))
+        self._wakeup.set()
+        return number
 
-        def run() -> None:
-            try:
-                handle.result = job()
-            except BaseException as error:  # handed to whoever synchronizes
-                handle.error = error
-            finally:
-                handle.done.set()
-        self.worker.submit(run)
-        return handle_id
+    def submit_join(self) -> int:
+        """This rank has no more collectives of its own: announce it, and stand in for
+        the others' allreduces until every rank has joined. The handle's result is the
+        rank that joined last."""
+        with self._lock:
+            number = next(self._handles)
+            if self.stopped is not None:
+                raise HorovodInternalError(self.stopped)
+            if self._join is not None:
+                raise ValueError("join() is already in progress on this rank")
+            self._join = self.handles[number] = Handle("join.noname")
+            self._join_announced = False
+        self._wakeup.set()
+        return number
 
-    def poll(self, handle_id: int) -> bool:
-        return self._handle(handle_id).done.is_set()
+    def poll(self, number: int) -> bool:
+        return self._handle(number).done.is_set()
 
-    def synchronize(self, handle_id: int) -> Any:
-        handle = self._handle(handle_id)
+    def synchronize(self, number: int) -> Any:
+        """Wait for the operation; return its result or raise its error. The engine
+        always finishes a handle: with a result, an error, or its own stop."""
+        handle = self._handle(number)
         handle.done.wait()
         with self._lock:
-            del self.handles[handle_id]
+            self.handles.pop(number, None)
             self.names_in_flight.discard(handle.name)
         if handle.error is not None:
             raise handle.error
-        return handle.result
+        return handle.then(handle.result) if handle.then is not None else handle.result
 
-    def run(self, job: Callable[[], Any], name: Optional[str] = None,
-            kind: str = "op") -> Any:
-        """Submit and wait: the synchronous collectives."""
-        return self.synchronize(self.submit(job, name, kind))
-
-    def _handle(self, handle_id: int) -> Handle:
+    def _handle(self, number: int) -> Handle:
         try:
-            return self.handles[handle_id]
+            return self.handles[number]
         except KeyError:
-            raise ValueError(f"handle {handle_id} is unknown or was already "
+            raise ValueError(f"handle {number} is unknown or was already "
                              "synchronized") from None
 
-    # --- on the engine thread -----------------------------------------------------------
-    def negotiate(self, call: Call, joined: bool = False) -> Rows:
-        """One round: every rank's row for the call it is about to make."""
-        rows = Rows(api.gather_rows(self.comm, call.row(joined)))
-        if rows.active:
-            self.last_rows = rows
-        return rows
+    # --- stopping ---------------------------------------------------------------------
+    def stop(self) -> None:
+        """Shut down: the next cycle tells every rank, then the thread ends."""
+        with self._lock:
+            self._stopping = True
+        self._wakeup.set()
 
-    def join(self, shadow_allreduce: Callable[[List[int]], None]) -> int:
-        """This rank has no more collectives: stand in for the others' until all join.
+    def join(self, seconds: float) -> None:
+        """Wait up to `seconds` for the thread to end (launch/exit.py's protocol)."""
+        self.thread.join(seconds)
 
-        Each round, an allreduce the others run is matched with zeros of its shape
-        (`shadow_allreduce(row)`); other collectives raise on their callers. Returns the
-        rank that joined last (the highest, if several joined in the same round).
+    def _stop_everything(self, reason: str) -> None:
+        """The engine runs nothing more: fail what waits, and what comes later."""
+        with self._lock:
+            self.stopped = reason
+            waiting = [r.handle for r in self._queued] + \
+                      [r.handle for r in self._announced.values()]
+            if self._join is not None:
+                waiting.append(self._join)
+            self._queued, self._announced, self._join = [], {}, None
+        for handle in waiting:
+            handle.fail(HorovodInternalError(reason))
+
+    # --- the engine thread --------------------------------------------------------------
+    def _loop(self) -> None:
+        idle_cycles = 0
+        try:
+            while True:
+                self._wakeup.clear()
+                message = self._outgoing()
+                messages = self._exchange(message)
+                outcome = self.table.apply(messages, time.monotonic(), self.stall_timeout)
+                if outcome.shutdown_by is not None:
+                    self._fail(outcome)
+                    who = ("this rank" if outcome.shutdown_by == self.rank
+                           else f"rank {outcome.shutdown_by}")
+                    self._stop_everything(
+                        f"Horovod has been shut down: {who} shut down (hvd.shutdown(), or its "
+                        "process ended); when one rank shuts down, every rank does")
+                    return
+                self._carry_out(outcome)
+                if message or outcome.ready or outcome.errors or outcome.join_done is not None:
+                    idle_cycles = 0
+                    continue
+                idle_cycles = min(idle_cycles + 1, 20)
+                self._wakeup.wait(min(self.cycle_seconds, FIRST_IDLE_WAIT * 2 ** idle_cycles))
+        except BaseException as error:  # the transport failed: a peer died or stalled
+            self._stop_everything(f"Horovod has been shut down: communication with the "
+                                  f"other ranks failed ({error})")
+        finally:
+            if self.comm is not self.parent:
+                try:
+                    self.comm.close()
+                except Exception:  # ending anyway
+                    pass
+
+    def _outgoing(self) -> Message:
+        """This rank's message for the cycle: what was submitted since the last one."""
+        with self._lock:
+            new, self._queued = self._queued, []
+            for request in new:
+                self._announced[request.name] = request
+            join = self._join is not None and not self._join_announced
+            if join:
+                self._join_announced = True
+            shutdown = self._stopping
+        expired = []
+        if self.inspector is not None and self.table.entries:
+            expired = self.inspector.inspect(self.table, time.monotonic())
+        return Message([(r.name, r.meta) for r in new], join, shutdown, expired)
+
+    def _exchange(self, message: Message) -> List[Message]:
+        """Every rank's message of this cycle, in rank order.
+
+        Two collectives: every rank's length (one tiny all-reduce), then, unless every
+        message is empty, the pickled messages padded to the longest (one all-gather).
+        The messages come from the job's own ranks, which trust each other as
+        torch.distributed's object collectives do.
         """
-        previous = self.last_rows
-        while True:
-            rows = Rows(api.gather_rows(self.comm, Call("barrier").row(joined=True)))
-            if not rows.active:
-                break
-            previous = rows
-            try:
-                rows.check()
-            except HorovodInternalError:
-                continue  # the callers raise; nothing runs
-            row = rows.table[rows.active[0]]
-            if KINDS[row[1]] == "allreduce":
-                shadow_allreduce(row)
-            elif KINDS[row[1]] == "barrier":
-                self.comm.barrier()
-        self.last_rows = None
-        if previous is None:
-            return self.comm.world_size - 1
-        last = previous.active  # still running in the round before everyone had joined
-        return max(last) if last else self.comm.world_size - 1
+        if self.world_size == 1:
+            return [message]
+        payload = pickle.dumps(message) if message else b""
+        lengths = [row[0] for row in api.gather_rows(self.comm, [len(payload)])]
+        widest = max(lengths)
+        if widest == 0:
+            return [Message() for _ in lengths]
+        mine = torch.zeros(widest, dtype=torch.uint8)
+        if payload:
+            mine[:len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        everyone = torch.empty(self.world_size * widest, dtype=torch.uint8)
+        api.all_gather(everyone, mine, comm=self.comm, check=False)
+        return [pickle.loads(everyone[r * widest:r * widest + n].numpy().tobytes())
+                if n else Message() for r, n in enumerate(lengths)]
 
-    def close(self) -> None:
-        self.worker.stop()
+    def _fail(self, outcome: Outcome) -> None:
+        for name, _ranks, why in outcome.errors:
+            with self._lock:
+                request = self._announced.pop(name, None)
+            if request is not None:
+                request.handle.fail(HorovodInternalError(why))
+
+    def _carry_out(self, outcome: Outcome) -> None:
+        """Fail what failed, run what is ready (in the table's order), end join()."""
+        self._fail(outcome)
+        for name, metas in outcome.ready:
+            with self._lock:
+                request = self._announced.pop(name, None)
+            if request is None:  # joined: this rank stands in
+                self.shadow(next(iter(metas.values())), self.comm)
+                continue
+            try:
+                result = request.run(metas, self.comm)
+            except PeerError as error:
+                request.handle.fail(HorovodInternalError(f"{name}: {error}"))
+                raise  # the communicator is broken: the engine stops
+            except Exception as error:  # this rank's own failure, e.g. out of memory
+                request.handle.fail(error)
+            else:
+                request.handle.finish(result)
+        if outcome.join_done is not None:
+            with self._lock:
+                handle, self._join = self._join, None
+            if handle is not None:
+                handle.finish(outcome.join_done)

@@ -1,40 +1,53 @@
 """Horovod's collectives (allreduce, allgather, broadcast, alltoall, reducescatter, their
-grouped, in-place and async forms), each a job on the engine (engine.py) that
-negotiates and then runs our algorithms through `collectives.api`.
+grouped, in-place and async forms, sparse allreduce), each submitted to the engine
+(engine.py) under its name with a Meta (negotiation.py), and run by our algorithms
+through `collectives.api` once every rank has submitted that name.
 
-The synchronous forms are differentiable, as Horovod's are: the gradient of an
-allreduce is the same allreduce of the gradient; of an allgather, this rank's slice of
-the summed gradient; of a broadcast, the summed gradient on the root and zeros
-elsewhere; of an alltoall, the alltoall back.
+Arguments are checked when a collective is submitted, so that nothing can fail on one
+rank alone once the ranks have agreed to run it (its peers would wait inside it).
+
+The synchronous forms are differentiable, with the gradients current Horovod computes:
+of an allreduce, the same allreduce of the gradient; of an allgather, this rank's rows
+of the gradient averaged over ranks; of a broadcast, the gradient averaged over ranks
+on the root and zeros elsewhere; of an alltoall, the alltoall back; of a reducescatter,
+the allgather of the gradient (times the number of ranks for a sum).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 from .. import api
+from ..transport import Transport
 from ..world import get_comm
-from .engine import ALGORITHMS, OPS, Call, Engine, Rows
+from .engine import Engine
+from .negotiation import Meta
 
 Average, Sum, Adasum, Min, Max, Product = "avg", "sum", "adasum", "min", "max", "product"
+OPS = (Sum, Average, Min, Max, Product)
 
 _engines: dict = {}
 
 
 def engine() -> Engine:
-    """The engine of the current communicator (made on first use)."""
+    """The engine of the current communicator, made on first use (hvd.init() makes it:
+    making one is collective, every rank at the same point)."""
     comm = get_comm()
     found = _engines.get(id(comm))
-    if found is None or found.comm is not comm:
-        found = _engines[id(comm)] = Engine(comm)
+    if found is None or found.parent is not comm:
+        if found is not None:
+            found.stop()
+        found = _engines[id(comm)] = Engine(comm, shadow)
     return found
 
 
-def forget_engines() -> None:
-    """Stop every engine (hvd.shutdown())."""
+def forget_engines(wait_seconds: float = 10.0) -> None:
+    """Stop every engine, telling the other ranks (hvd.shutdown())."""
     for each in _engines.values():
-        each.close()
+        each.stop()
+    for each in _engines.values():
+        each.join(wait_seconds)
     _engines.clear()
 
 
@@ -43,6 +56,9 @@ class ProcessSet:
 
     def __init__(self, ranks=None):
         self.ranks = ranks
+
+    def size(self) -> int:
+        return get_comm().world_size
 
     def __repr__(self) -> str:
         return "ProcessSet(global)"
@@ -71,9 +87,24 @@ def reduce_op(average: Optional[bool], op: Optional[str]) -> str:
     return op
 
 
+def _check(tensor, what: str) -> torch.Tensor:
+    """A tensor the collectives can move, or a clear error now (not on one rank later)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what}: a {tensor.layout} tensor; use hvd.sparse_allreduce_async "
+                         "for sparse tensors")
+    if tensor.device.type != "cpu":
+        raise ValueError(f"{what}: tensors on {tensor.device} are not supported; this face "
+                         "runs on CPU tensors")
+    if tensor.dtype not in api.SUPPORTED_DTYPES:
+        raise ValueError(f"{what}: dtype {tensor.dtype} is not supported")
+    return tensor
+
+
 def _scale(tensor: torch.Tensor, factor: float) -> None:
     """tensor *= factor in place, as Horovod scales: integers in float64, float16 (on
-    CPU) in float32, each rounded back to the tensor's dtype."""
+    CPU) in float32, each rounded back to the tensor's dtype (integers toward zero)."""
     if factor == 1.0:
         return
     if not tensor.is_floating_point():
@@ -85,98 +116,105 @@ def _scale(tensor: torch.Tensor, factor: float) -> None:
 
 
 def _reduce_in_place(flat: torch.Tensor, op: str, prescale: float, postscale: float,
-                     algorithm: str = "auto") -> None:
-    """The allreduce itself (on the engine thread, after negotiation)."""
-    comm = get_comm()
+                     algorithm: str, comm: Transport) -> None:
+    """One flat buffer's allreduce, after negotiation.
+
+    Floats average as `api.all_reduce(op="avg")` does (divided first, so a float16 sum
+    cannot overflow). Integers average as Horovod does, the sum scaled by 1/size and
+    rounded toward zero (-3 and 0 average to -1), but summed in int64 so that int8 or
+    int16 sums do not wrap.
+    """
     _scale(flat, prescale)
+    if op == Average and not flat.is_floating_point():
+        wide = flat.to(torch.int64)
+        api.all_reduce(wide, op=Sum, algorithm=algorithm, comm=comm, check=False)
+        flat.copy_((wide.double() * (postscale / comm.world_size)).to(flat.dtype))
+        return
     api.all_reduce(flat, op=op, algorithm=algorithm, comm=comm, check=False)
     _scale(flat, postscale)
 
 
-def shadow_allreduce(row: List[int]) -> None:
-    """A joined rank's part in another rank's allreduce: zeros of its dtype and size."""
-    zeros = torch.zeros(row[6], dtype=api.SUPPORTED_DTYPES[row[2]])
-    _reduce_in_place(zeros, OPS[row[7]], 1.0, 1.0, ALGORITHMS[row[9]])
+def _by_dtype(items: Sequence) -> Dict[str, list]:
+    """Indices of items grouped by dtype, in the order each dtype first appears (the
+    same on every rank, and for a joined rank's zeros: see shadow)."""
+    groups: Dict[str, list] = {}
+    for index, dtype in enumerate(items):
+        groups.setdefault(str(dtype).replace("torch.", ""), []).append(index)
+    return groups
 
 
-# --- the jobs (each runs on the engine thread) -------------------------------------------
-def allreduce_job(tensors: Sequence[torch.Tensor], op: str, prescale: float,
-                  postscale: float, algorithm: str = "auto"):
-    """Reduce a group of tensors in place, one flat buffer (and negotiation) per dtype."""
-    def job():
-        groups = {}
-        for tensor in tensors:
-            groups.setdefault(tensor.dtype, []).append(tensor)
-        for group in groups.values():
+def _allreduce_run(tensors: List[torch.Tensor], op: str, prescale: float, postscale: float,
+                   algorithm: str = "auto"):
+    """Reduce a group of tensors in place: one flat buffer per dtype."""
+    def run(metas, comm):
+        for indices in _by_dtype([t.dtype for t in tensors]).values():
+            group = [tensors[i] for i in indices]
             alone = len(group) == 1 and group[0].is_contiguous()
             # One contiguous tensor is reduced where it lies; a group goes through one
             # fused copy and back.
             flat = group[0].view(-1) if alone else torch.cat([t.reshape(-1) for t in group])
-            rows = engine().negotiate(Call("allreduce", _shape_probe(group, flat), op,
-                                           algorithm=algorithm))
-            rows.check()
-            _reduce_in_place(flat, op, prescale, postscale, algorithm)
-            if alone:
-                continue
-            offset = 0
-            for tensor in group:
-                tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                offset += tensor.numel()
-        return list(tensors)
-    return job
+            _reduce_in_place(flat, op, prescale, postscale, algorithm, comm)
+            if not alone:
+                offset = 0
+                for tensor in group:
+                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+                    offset += tensor.numel()
+        return tensors
+    return run
 
 
-def _shape_probe(group, flat):
-    """What the negotiation row describes: the tensor itself, or a group's flat buffer."""
-    return group[0] if len(group) == 1 else flat
+def shadow(meta: Meta, comm: Transport) -> None:
+    """A joined rank's part in what the others run: zeros for an allreduce (one buffer
+    per dtype, as _allreduce_run makes them); nothing for a barrier."""
+    if meta.kind != "allreduce":
+        return
+    sizes = [int(torch.Size(shape).numel()) for shape in meta.shapes]
+    for dtype, indices in _by_dtype(meta.dtypes).items():
+        zeros = torch.zeros(sum(sizes[i] for i in indices), dtype=getattr(torch, dtype))
+        _reduce_in_place(zeros, meta.op, meta.prescale, meta.postscale, meta.algorithm, comm)
 
 
-def _allgather_job(tensor: torch.Tensor):
-    def job():
-        comm = get_comm()
-        shaped = tensor if tensor.dim() else tensor.reshape(1)
-        rows: Rows = engine().negotiate(Call("allgather", shaped))
-        rows.check()
-        counts = rows.first_dims()
-        rest = tuple(shaped.shape[1:])
-        per_row = shaped[0].numel() if shaped.shape[0] else int(torch.tensor(rest).prod())
-        widest = max(counts)
-        mine = torch.zeros(widest * per_row, dtype=shaped.dtype)
-        mine[:shaped.numel()] = shaped.reshape(-1)
-        gathered = torch.empty(comm.world_size * widest * per_row, dtype=shaped.dtype)
-        api.all_gather(gathered, mine, comm=comm, check=False)
-        pieces = [gathered[r * widest * per_row:(r * widest + counts[r]) * per_row]
-                  for r in range(comm.world_size)]
-        return torch.cat(pieces).view(sum(counts), *rest), counts
-    return job
+def _allgather_run(tensors: List[torch.Tensor]):
+    """Gather each tensor (at least 1-D) along its first dimension, which may differ
+    between ranks: every rank's rows padded to the widest, one all-gather per tensor.
+    Returns [(gathered, rows of each rank)] per tensor."""
+    def run(metas, comm):
+        results = []
+        for index, tensor in enumerate(tensors):
+            counts = [metas[r].shapes[index][0] for r in range(comm.world_size)]
+            rest = tuple(tensor.shape[1:])
+            per_row = int(torch.Size(rest).numel())
+            widest = max(counts)
+            mine = torch.zeros(widest * per_row, dtype=tensor.dtype)
+            mine[:tensor.numel()] = tensor.reshape(-1)
+            gathered = torch.empty(comm.world_size * widest * per_row, dtype=tensor.dtype)
+            api.all_gather(gathered, mine, comm=comm, check=False)
+            pieces = [gathered[r * widest * per_row:(r * widest + counts[r]) * per_row]
+                      for r in range(comm.world_size)]
+            results.append((torch.cat(pieces).view(sum(counts), *rest), counts))
+        return results
+    return run
 
 
-def _broadcast_job(tensor: torch.Tensor, root_rank: int):
-    def job():
-        comm = get_comm()
-        if not 0 <= root_rank < comm.world_size:
-            raise ValueError(f"root_rank {root_rank} is not a rank of {comm.world_size}")
-        engine().negotiate(Call("broadcast", tensor, root=root_rank)).check()
+def _broadcast_run(tensor: torch.Tensor, root_rank: int):
+    def run(metas, comm):
         flat = tensor.reshape(-1).clone() if not tensor.is_contiguous() else tensor.view(-1)
         api.broadcast(flat, src=root_rank, comm=comm, check=False)
         if flat.data_ptr() != tensor.data_ptr():
             tensor.copy_(flat.view_as(tensor))
         return tensor
-    return job
+    return run
 
 
-def _alltoall_job(tensor: torch.Tensor, splits: List[int]):
-    def job():
-        comm = get_comm()
-        engine().negotiate(Call("alltoall", tensor)).check()
-        matrix = api.gather_rows(comm, splits)  # matrix[a][b]: rows a sends to b
-        received = [matrix[peer][comm.rank] for peer in range(comm.world_size)]
+def _alltoall_run(tensor: torch.Tensor, splits: List[int]):
+    def run(metas, comm):
+        received = [metas[peer].splits[comm.rank] for peer in range(comm.world_size)]
         rest = tuple(tensor.shape[1:])
         inputs = list(torch.split(tensor.contiguous(), splits))
         outputs = [tensor.new_empty((count,) + rest) for count in received]
-        api.all_to_all(outputs, inputs, comm=comm)
+        api.all_to_all(outputs, [i.contiguous() for i in inputs], comm=comm)
         return torch.cat(outputs), received
-    return job
+    return run
 
 
 def reducescatter_rows(first_dim: int, world_size: int) -> List[int]:
@@ -185,28 +223,79 @@ def reducescatter_rows(first_dim: int, world_size: int) -> List[int]:
     return [base + (1 if rank < extra else 0) for rank in range(world_size)]
 
 
-def _reducescatter_job(tensor: torch.Tensor, op: str, prescale: float, postscale: float):
-    def job():
-        comm = get_comm()
-        shaped = tensor if tensor.dim() else tensor.reshape(1)
-        engine().negotiate(Call("reducescatter", shaped, op)).check()
-        rows = reducescatter_rows(shaped.shape[0], comm.world_size)
-        per_row = shaped[0].numel() if shaped.shape[0] else 0
+def _reducescatter_run(tensor: torch.Tensor, op: str, prescale: float, postscale: float):
+    def run(metas, comm):
+        rows = reducescatter_rows(tensor.shape[0], comm.world_size)
+        per_row = tensor[0].numel() if tensor.shape[0] else 0
         widest = max(rows)
         # Each rank's share padded to the widest, so the ring's equal chunks line up.
-        padded = shaped.new_zeros(comm.world_size * widest * per_row)
+        padded = tensor.new_zeros(comm.world_size * widest * per_row)
         start = 0
         for rank, count in enumerate(rows):
             padded[rank * widest * per_row:(rank * widest + count) * per_row] = \
-                shaped[start:start + count].reshape(-1)
+                tensor[start:start + count].reshape(-1)
             start += count
         _scale(padded, prescale)
-        out = shaped.new_empty(widest * per_row)
+        out = tensor.new_empty(widest * per_row)
         api.reduce_scatter(out, padded, op=op, comm=comm, check=False)
         _scale(out, postscale)
         mine = rows[comm.rank]
-        return out[:mine * per_row].view((mine,) + tuple(shaped.shape[1:]))
-    return job
+        return out[:mine * per_row].view((mine,) + tuple(tensor.shape[1:]))
+    return run
+
+
+# --- submitting ---------------------------------------------------------------------------
+# Each returns a handle number; `then` turns the engine's result into what
+# synchronize(handle) returns (the caller's own tensor for the in-place forms).
+def _submit_allreduce(tensors, op, prescale, postscale, name, algorithm="auto",
+                      kind="allreduce", then=None) -> int:
+    """Reduce `tensors` (this rank's, in place) under `name`."""
+    for tensor in tensors:
+        _check(tensor, kind)
+    meta = Meta.of("allreduce", tensors, op=op, prescale=prescale, postscale=postscale,
+                   algorithm=algorithm)
+    return engine().submit(kind, name, meta, _allreduce_run(list(tensors), op, prescale,
+                                                            postscale, algorithm), then)
+
+
+def _submit_allgather(tensors, name, kind="allgather", then=None) -> int:
+    """Gather tensors under one name; the result: [(gathered, rows per rank)] per tensor."""
+    shaped = []
+    for tensor in tensors:
+        tensor = _check(tensor, kind).detach().contiguous()
+        shaped.append(tensor if tensor.dim() else tensor.reshape(1))
+    return engine().submit(kind, name, Meta.of("allgather", shaped), _allgather_run(shaped),
+                           then)
+
+
+def _submit_broadcast(tensor, root_rank, name, then=None) -> int:
+    _check(tensor, "broadcast")
+    size = get_comm().world_size
+    if not isinstance(root_rank, int) or not 0 <= root_rank < size:
+        raise ValueError(f"broadcast: root_rank {root_rank!r} is not a rank of {size}")
+    return engine().submit("broadcast", name, Meta.of("broadcast", [tensor], root=root_rank),
+                           _broadcast_run(tensor, root_rank), then)
+
+
+def _submit_alltoall(tensor, splits: List[int], name, then=None) -> int:
+    """The result: (rows received, how many from each rank)."""
+    _check(tensor, "alltoall")
+    return engine().submit("alltoall", name,
+                           Meta.of("alltoall", [tensor], splits=tuple(splits)),
+                           _alltoall_run(tensor, splits), then)
+
+
+def _submit_reducescatter(tensor, op, prescale, postscale, name) -> int:
+    tensor = _check(tensor, "reducescatter").detach().contiguous()
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter: a scalar has no first dimension to scatter")
+    meta = Meta.of("reducescatter", [tensor], op=op, prescale=prescale, postscale=postscale)
+    return engine().submit("reducescatter", name, meta,
+                           _reducescatter_run(tensor, op, prescale, postscale))
+
+
+def _gathered_tensor(results):
+    return results[0][0]
 
 
 # --- autograd ---------------------------------------------------------------------------
@@ -215,13 +304,13 @@ class _Allreduce(torch.autograd.Function):
     def forward(ctx, tensor, op, prescale, postscale, name):
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
         out = tensor.detach().clone()
-        engine().run(allreduce_job([out], op, prescale, postscale), name, "allreduce")
+        synchronize(_submit_allreduce([out], op, prescale, postscale, name))
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out = grad.contiguous().clone()
-        engine().run(allreduce_job([out], ctx.op, ctx.prescale, ctx.postscale))
+        synchronize(_submit_allreduce([out], ctx.op, ctx.prescale, ctx.postscale, None))
         return out, None, None, None, None
 
 
@@ -230,57 +319,79 @@ class _GroupedAllreduce(torch.autograd.Function):
     def forward(ctx, op, prescale, postscale, name, *tensors):
         ctx.op, ctx.prescale, ctx.postscale = op, prescale, postscale
         outs = [t.detach().clone() for t in tensors]
-        engine().run(allreduce_job(outs, op, prescale, postscale), name, "allreduce")
+        synchronize(_submit_allreduce(outs, op, prescale, postscale, name,
+                                      kind="grouped_allreduce"))
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         outs = [g.contiguous().clone() for g in grads]
-        engine().run(allreduce_job(outs, ctx.op, ctx.prescale, ctx.postscale))
+        synchronize(_submit_allreduce(outs, ctx.op, ctx.prescale, ctx.postscale, None,
+                                      kind="grouped_allreduce"))
         return (None, None, None, None, *outs)
+
+
+def _average_over_ranks(grad: torch.Tensor) -> torch.Tensor:
+    out = grad.contiguous().clone()
+    synchronize(_submit_allreduce([out], Average, 1.0, 1.0, None))
+    return out
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, name):
-        gathered, counts = engine().run(_allgather_job(tensor.detach().contiguous()), name, "allgather")
+        [(gathered, counts)] = synchronize(_submit_allgather([tensor], name))
         ctx.counts, ctx.rank = counts, get_comm().rank
         return gathered
 
     @staticmethod
     def backward(ctx, grad):
-        summed = grad.contiguous().clone()
-        engine().run(allreduce_job([summed], Sum, 1.0, 1.0))
+        averaged = _average_over_ranks(grad)
         start = sum(ctx.counts[:ctx.rank])
-        return summed[start:start + ctx.counts[ctx.rank]], None
+        return averaged[start:start + ctx.counts[ctx.rank]], None
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, root_rank, name):
         ctx.root_rank = root_rank
-        out = tensor.detach().clone()
-        return engine().run(_broadcast_job(out, root_rank), name, "broadcast")
+        return synchronize(_submit_broadcast(tensor.detach().clone(), root_rank, name))
 
     @staticmethod
     def backward(ctx, grad):
-        summed = grad.contiguous().clone()
-        engine().run(allreduce_job([summed], Sum, 1.0, 1.0))
+        averaged = _average_over_ranks(grad)
         if get_comm().rank != ctx.root_rank:
-            summed.zero_()
-        return summed, None, None
+            averaged.zero_()
+        return averaged, None, None
+
+
+class _GroupedAllgather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, name, *tensors):
+        results = synchronize(_submit_allgather(list(tensors), name, "grouped_allgather"))
+        ctx.counts, ctx.rank = [counts for _, counts in results], get_comm().rank
+        return tuple(gathered for gathered, _ in results)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        mine = []
+        for grad, counts in zip(grads, ctx.counts):
+            averaged = _average_over_ranks(grad)
+            start = sum(counts[:ctx.rank])
+            mine.append(averaged[start:start + counts[ctx.rank]])
+        return (None, *mine)
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, splits, name):
-        out, received = engine().run(_alltoall_job(tensor.detach(), splits), name, "alltoall")
+        out, received = synchronize(_submit_alltoall(tensor.detach(), splits, name))
         ctx.received = received
         return out
 
     @staticmethod
     def backward(ctx, grad):
-        back, _ = engine().run(_alltoall_job(grad.contiguous(), ctx.received))
+        back, _ = synchronize(_submit_alltoall(grad.contiguous(), ctx.received, None))
         return back, None, None
 
 
@@ -288,26 +399,20 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, tensor, op, prescale, postscale, name):
         ctx.op, ctx.scale = op, prescale * postscale
-        return engine().run(_reducescatter_job(tensor.detach().contiguous(), op, prescale,
-                                               postscale), name, "reducescatter")
+        return synchronize(_submit_reducescatter(tensor, op, prescale, postscale, name))
 
     @staticmethod
     def backward(ctx, grad):
-        gathered, _ = engine().run(_allgather_job(grad.contiguous()))
-        if ctx.op == Average:
-            gathered = gathered / get_comm().world_size
-        return gathered * ctx.scale, None, None, None, None
+        # As current Horovod: the gradient, times the number of ranks for a sum, times
+        # the scale factors, gathered from every rank.
+        if ctx.op == Sum:
+            grad = grad * get_comm().world_size
+        gathered = synchronize(_submit_allgather([grad * ctx.scale], None,
+                                                 then=_gathered_tensor))
+        return gathered, None, None, None, None
 
 
 # --- the public functions ----------------------------------------------------------------
-def _returning(job, value):
-    """The job, returning `value` (the caller's own tensor, for the in-place forms)."""
-    def run():
-        job()
-        return value
-    return run
-
-
 def allreduce(tensor, average=None, name=None, compression=None, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """The reduction of `tensor` over ranks, as a new tensor (Average by default)."""
@@ -323,24 +428,24 @@ def allreduce(tensor, average=None, name=None, compression=None, op=None,
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                postscale_factor=1.0, process_set=global_process_set):
     """Reduce `tensor` over ranks in place; returns it."""
-    return synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
-                                        postscale_factor, process_set))
+    synchronize(allreduce_async_(tensor, average, name, op, prescale_factor,
+                                 postscale_factor, process_set))
+    return tensor
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start reducing a copy of `tensor`; synchronize(handle) returns the result."""
-    return allreduce_async_(tensor.detach().clone(), average, name, op, prescale_factor,
-                            postscale_factor, process_set)
+    return allreduce_async_(_check(tensor, "allreduce").detach().clone(), average, name, op,
+                            prescale_factor, postscale_factor, process_set)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start reducing `tensor` in place; synchronize(handle) returns it."""
     _global_only(process_set)
-    job = allreduce_job([tensor.detach()], reduce_op(average, op), prescale_factor,
-                        postscale_factor)
-    return engine().submit(_returning(job, tensor), name, "allreduce")
+    return _submit_allreduce([tensor.detach()], reduce_op(average, op), prescale_factor,
+                             postscale_factor, name, then=lambda _: tensor)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None,
@@ -366,16 +471,18 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> int:
-    return grouped_allreduce_async_([t.detach().clone() for t in tensors], average, name, op,
+    return grouped_allreduce_async_([_check(t, "grouped_allreduce").detach().clone()
+                                     for t in tensors], average, name, op,
                                     prescale_factor, postscale_factor, process_set)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
     _global_only(process_set)
-    job = allreduce_job([t.detach() for t in tensors], reduce_op(average, op),
-                        prescale_factor, postscale_factor)
-    return engine().submit(_returning(job, list(tensors)), name, "allreduce")
+    tensors = list(tensors)
+    return _submit_allreduce([t.detach() for t in tensors], reduce_op(average, op),
+                             prescale_factor, postscale_factor, name,
+                             kind="grouped_allreduce", then=lambda _: tensors)
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
@@ -386,19 +493,19 @@ def allgather(tensor, name=None, process_set=global_process_set):
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     _global_only(process_set)
-    job = _allgather_job(tensor.detach().contiguous())
-    return engine().submit(lambda: job()[0], name, "allgather")
+    return _submit_allgather([tensor], name, then=_gathered_tensor)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
-    return [allgather(t, None if name is None else f"{name}.{i}", process_set)
-            for i, t in enumerate(tensors)]
+    """Several allgathers negotiated as one, under one name; differentiable."""
+    _global_only(process_set)
+    return list(_GroupedAllgather.apply(name, *tensors))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
     _global_only(process_set)
-    jobs = [_allgather_job(t.detach().contiguous()) for t in tensors]
-    return engine().submit(lambda: [job()[0] for job in jobs], name, "allgather")
+    return _submit_allgather(list(tensors), name, "grouped_allgather",
+                             then=lambda results: [gathered for gathered, _ in results])
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
@@ -413,13 +520,13 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    return broadcast_async_(tensor.detach().clone(), root_rank, name, process_set)
+    return broadcast_async_(_check(tensor, "broadcast").detach().clone(), root_rank, name,
+                            process_set)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     _global_only(process_set)
-    job = _broadcast_job(tensor.detach(), root_rank)
-    return engine().submit(_returning(job, tensor), name, "broadcast")
+    return _submit_broadcast(tensor.detach(), root_rank, name, then=lambda _: tensor)
 
 
 def _check_splits(tensor: torch.Tensor, splits) -> List[int]:
@@ -449,8 +556,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     _global_only(process_set)
-    job = _alltoall_job(tensor.detach(), _check_splits(tensor, splits))
-    return engine().submit(lambda: job()[0], name, "alltoall")
+    return _submit_alltoall(tensor.detach(), _check_splits(tensor, splits), name,
+                            then=lambda result: result[0])
 
 
 def reducescatter(tensor, op=Average, name=None, process_set=global_process_set,
@@ -465,17 +572,47 @@ def reducescatter(tensor, op=Average, name=None, process_set=global_process_set,
 def reducescatter_async(tensor, op=Average, name=None, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> int:
     _global_only(process_set)
-    return engine().submit(_reducescatter_job(tensor.detach().contiguous(),
-                                              reduce_op(None, op), prescale_factor,
-                                              postscale_factor), name, "reducescatter")
+    return _submit_reducescatter(tensor, reduce_op(None, op), prescale_factor,
+                                 postscale_factor, name)
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_process_set,
                           prescale_factor=1.0, postscale_factor=1.0):
-    return [reducescatter(t, op, None, process_set, prescale_factor, postscale_factor)
-            for t in tensors]
+    return [reducescatter(t, op, None if name is None else f"{name}.{i}", process_set,
+                          prescale_factor, postscale_factor)
+            for i, t in enumerate(tensors)]
 
 
+def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
+    """Start reducing a sparse tensor as Horovod does: an allgather of every rank's
+    indices and one of its values, under `<name>.indices` and `<name>.values`. Returns
+    a function that waits and gives the reduced sparse tensor: the gathered entries,
+    duplicates summed only when the result is coalesced (values divided by the number
+    of ranks for hvd.Average). A dense allreduce of the same tensors gives the same
+    values; this moves only the non-zeros."""
+    _global_only(process_set)
+    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+        raise ValueError("sparse_allreduce_async takes a sparse COO tensor")
+    op = reduce_op(None, op)
+    if op not in (Sum, Average):
+        raise ValueError(f"sparse allreduce sums or averages; op {op!r} is not provided")
+    # allgather joins along the first dimension: one row per non-zero, so the indices
+    # (sparse_dim x nnz) go transposed and come back transposed.
+    indices_handle = allgather_async(tensor._indices().t().contiguous(), f"{name}.indices")
+    values_handle = allgather_async(tensor._values().contiguous(), f"{name}.values")
+    size = get_comm().world_size
+
+    def wait():
+        values = synchronize(values_handle)
+        indices = synchronize(indices_handle)
+        if op == Average:
+            values = values / size
+        return torch.sparse_coo_tensor(indices.t(), values, tensor.size(),
+                                       check_invariants=True)
+    return wait
+
+
+# --- handles --------------------------------------------------------------------------------
 def poll(handle: int) -> bool:
     """True once the operation behind `handle` has finished (never blocks)."""
     return engine().poll(handle)
@@ -489,20 +626,11 @@ def synchronize(handle: int):
 def join(device: int = -1) -> int:
     """This rank is out of work: take part in the others' allreduces with zeros until
     every rank has joined. Returns the rank that joined last."""
-    each = engine()
-    return each.run(lambda: each.join(shadow_allreduce))
+    return synchronize(engine().submit_join())
 
 
 def barrier(process_set=global_process_set) -> None:
-    """Wait until every rank reaches the barrier."""
+    """Wait until every rank reaches the barrier: a collective with nothing to move,
+    ready once every rank has submitted it."""
     _global_only(process_set)
-
-    def job():
-        engine().negotiate(Call("barrier")).check()
-        get_comm().barrier()
-    engine().run(job)
-
-
-def sparse_allreduce_async(tensor, name=None, op=Average, process_set=global_process_set):
-    raise NotImplementedError("sparse allreduce is not provided; use "
-                              "DistributedOptimizer(sparse_as_dense=True)")
+    synchronize(engine().submit("barrier", "noname", Meta("barrier"), lambda metas, comm: None))

@@ -19,8 +19,8 @@ import torch
 
 from ..world import get_comm
 from ..bucketer import Bucketer
-from .ops import (Adasum, Average, allgather, allreduce_job, broadcast_async_, engine,
-                  global_process_set, synchronize)
+from .ops import (Adasum, Average, Sum, _submit_allreduce, allgather, broadcast_async_,
+                  engine, global_process_set, sparse_allreduce_async, synchronize)
 
 
 # --- compression, as Horovod's: compress(t) -> (t, ctx); decompress(t, ctx) -> t ---------
@@ -57,21 +57,30 @@ class Compression:
 
 # --- broadcasting state -------------------------------------------------------------------
 def broadcast_parameters(params, root_rank: int, process_set=global_process_set) -> None:
-    """Broadcast a state_dict, or a list of (name, tensor), from root_rank, in place.
+    """Broadcast a state_dict, a list of (name, tensor), or a list of tensors, from
+    root_rank, in place.
 
-    One flat buffer per dtype (not one message per tensor), in name order on every rank.
+    One flat buffer per dtype (not one message per tensor), named after its first
+    tensor (`broadcast.parameters.float32.fc.bias`), named tensors in name order.
     """
-    items = params.items() if isinstance(params, dict) else params
-    tensors = [t for _, t in sorted(items, key=lambda item: item[0])
-               if isinstance(t, torch.Tensor)]
+    if isinstance(params, dict):
+        items = sorted(params.items(), key=lambda item: item[0])
+    else:
+        items = [p if isinstance(p, tuple) else (None, p) for p in params]
+        if all(name is not None for name, _ in items):
+            items.sort(key=lambda item: item[0])
     groups = {}
-    for tensor in tensors:
-        groups.setdefault(tensor.dtype, []).append(tensor)
-    for group in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
-        synchronize(broadcast_async_(flat, root_rank, process_set=process_set))
+    for name, tensor in items:
+        if isinstance(tensor, torch.Tensor):
+            groups.setdefault(tensor.dtype, []).append((name, tensor))
+    for dtype, group in groups.items():
+        first = group[0][0]
+        name = None if first is None else \
+            f"parameters.{str(dtype).replace('torch.', '')}.{first}"
+        flat = torch.cat([t.detach().reshape(-1) for _, t in group])
+        synchronize(broadcast_async_(flat, root_rank, name, process_set))
         offset = 0
-        for tensor in group:
+        for _, tensor in group:
             tensor.detach().copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
             offset += tensor.numel()
 
@@ -88,23 +97,28 @@ def _from_bytes(payload: torch.Tensor):
 
 def broadcast_object(obj, root_rank: int = 0, name: Optional[str] = None,
                      process_set=global_process_set):
-    """Any picklable object from root_rank to every rank (its length, then its bytes)."""
+    """Any picklable object from root_rank to every rank (its length, then its bytes,
+    under `<name>.sz` and `<name>.t` as Horovod names them; name defaults to "object",
+    the same on every rank whatever each passes as obj)."""
+    name = "object" if name is None else name
     rank = get_comm().rank
     payload = _to_bytes(obj) if rank == root_rank else torch.empty(0, dtype=torch.uint8)
     length = torch.tensor([payload.numel()], dtype=torch.int64)
-    synchronize(broadcast_async_(length, root_rank, process_set=process_set))
+    synchronize(broadcast_async_(length, root_rank, f"{name}.sz", process_set))
     if rank != root_rank:
         payload = torch.empty(int(length.item()), dtype=torch.uint8)
-    synchronize(broadcast_async_(payload, root_rank, name, process_set))
+    synchronize(broadcast_async_(payload, root_rank, f"{name}.t", process_set))
     return _from_bytes(payload)
 
 
 def allgather_object(obj, name: Optional[str] = None, process_set=global_process_set) -> list:
-    """Every rank's picklable object, in rank order."""
+    """Every rank's picklable object, in rank order (`<name>.sz` and `<name>.t`, name
+    "object" by default)."""
+    name = "object" if name is None else name
     payload = _to_bytes(obj)
-    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64),
-                      process_set=process_set).tolist()
-    gathered = allgather(payload, name, process_set)
+    sizes = allgather(torch.tensor([payload.numel()], dtype=torch.int64), f"{name}.sz",
+                      process_set).tolist()
+    gathered = allgather(payload, f"{name}.t", process_set)
     out, start = [], 0
     for size in sizes:
         out.append(_from_bytes(gathered[start:start + size]))
@@ -141,17 +155,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     Horovod's arguments in Horovod's order. num_groups / groups (Horovod's fusion
     groups) are accepted: buckets of `bucket_cap_mb` do that fusion here.
     sparse_as_dense: sparse gradients (nn.Embedding(sparse=True)) are reduced as dense
-    tensors and handed back sparse; without it they are refused with a clear error.
-    sparse: older Horovod's name for taking sparse gradients; the same here (the values
-    are those of a sparse allreduce; only fewer zeros are dropped).
+    tensors and handed back sparse; without it, as Horovod does, by an allgather of
+    each sparse gradient's indices and values (hvd.sparse_allreduce_async, under the
+    parameter's name), started when the gradient is ready. Every rank must then have a
+    sparse gradient for that parameter in the step, as in Horovod.
+    sparse: older Horovod's name for sparse_as_dense; the same here.
     backward_passes_per_step=k: gradients accumulate locally over k backward passes and
     are averaged at step(): a gradient goes out on its k-th pass, one that came in fewer
     passes goes out at step() with what it accumulated; counts start afresh after each
     step() / synchronize(), and a (k+1)-th pass before it is an error, as in Horovod.
 
+    Each bucket's allreduce is negotiated under a name made from its parameters' names
+    (`allreduce.bucket0.fc.bias`), so the ranks need not launch buckets in the same
+    order. Without named_parameters the parameters are named as Horovod names them,
+    `allreduce.noname.<group>.<index>`; `optimizer._parameter_names` maps each parameter
+    to its name, as Horovod's does.
+
     Returns the same optimizer object (so LR schedulers and isinstance checks still work)
     with step() wrapped and synchronize() / skip_synchronize() added.
     """
+    names = _parameter_names(optimizer, named_parameters)  # before init is needed
     if op == Adasum:
         raise NotImplementedError("Adasum is not provided; use hvd.Average or hvd.Sum")
     if process_set is not global_process_set:
@@ -160,8 +183,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     comm = get_comm()
+    engine()  # made here, on every rank alike, if hvd.init() has not made it
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    names = _named(params, named_parameters)
 
     if op == Average:  # divide (at least partly) first: a float16 sum must not overflow
         prescale = 1.0 / gradient_predivide_factor if gradient_predivide_factor != 1.0 \
@@ -173,15 +196,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         prescale, postscale, reduce = 1.0, 1.0, op
 
     def reduce_bucket(flat: torch.Tensor) -> None:
+        name = bucket_names[flat.data_ptr()]
         sent, ctx = compression.compress(flat)
-        engine().run(allreduce_job([sent], reduce, prescale, postscale, algorithm))
+        synchronize(_submit_allreduce([sent], reduce, prescale, postscale, name, algorithm))
         if sent is not flat:
             flat.copy_(compression.decompress(sent, ctx))
 
+    def reduce_sparse(param: torch.Tensor, grad: torch.Tensor):
+        if op not in (Average, Sum):
+            raise NotImplementedError(f"sparse gradients are summed or averaged; op {op!r} "
+                                      "needs sparse_as_dense=True")
+        return sparse_allreduce_async(grad, names[param], op)
+
+    ids = {id(p): name for p, name in names.items()}
     bucketer = Bucketer(params, reduce_bucket, comm, bucket_cap_mb=bucket_cap_mb,
-                        finish_after_backward=False, names=names, unused="zeros",
+                        finish_after_backward=False, names=ids, unused="zeros",
                         passes_per_sync=backward_passes_per_step,
-                        sparse_as_dense=sparse_as_dense or sparse)
+                        sparse_as_dense=sparse_as_dense or sparse,
+                        sparse_reduce=reduce_sparse)
+    bucket_names = {bucket.buffer.data_ptr(): f"bucket{bucket.index}.{ids[id(bucket.params[0])]}"
+                    for bucket in bucketer.buckets}
     local_step, local_zero_grad = optimizer.step, optimizer.zero_grad
     state = {"skipping": False, "synchronized": False}
 
@@ -223,23 +257,33 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     optimizer.synchronize = synchronize_gradients
     optimizer.skip_synchronize = skip_synchronize
     optimizer._local_step = local_step
+    optimizer._parameter_names = names
     optimizer._collectives_bucketer = bucketer
     return optimizer
 
 
-def _named(params, named_parameters) -> dict:
-    """id(param) -> name, checking Horovod's rules: unique names covering every param."""
+def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters) -> dict:
+    """parameter -> name, by Horovod's rules: (name, parameter) tuples with unique names
+    covering every parameter of the optimizer; without named_parameters, Horovod's
+    names `allreduce.noname.<group>.<index>`."""
     if named_parameters is None:
-        return {}
-    pairs = list(named_parameters)
+        pairs = [(f"allreduce.noname.{i}.{j}", p)
+                 for i, group in enumerate(optimizer.param_groups)
+                 for j, p in enumerate(group["params"])]
+    else:
+        pairs = list(named_parameters)
+    if any(not isinstance(pair, tuple) or len(pair) != 2 for pair in pairs):
+        raise ValueError("named_parameters must be a sequence of (name, parameter) tuples, "
+                         "as model.named_parameters() gives")
     seen = set()
     duplicates = sorted({name for name, _ in pairs if name in seen or seen.add(name)})
     if duplicates:
         raise ValueError(f"parameter names in named_parameters must be unique; repeated: "
                          f"{', '.join(duplicates[:5])}")
-    names = {id(p): name for name, p in pairs}
-    unnamed = [p for p in params if id(p) not in names]
+    named = {id(p) for _, p in pairs}
+    unnamed = [p for group in optimizer.param_groups for p in group["params"]
+               if id(p) not in named]
     if unnamed:
         raise ValueError(f"{len(unnamed)} optimizer parameter(s) are missing from "
                          "named_parameters")
-    return names
+    return {p: name for name, p in sorted(pairs, key=lambda pair: pair[0])}

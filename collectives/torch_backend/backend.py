@@ -12,6 +12,8 @@ What torch asks for that our algorithms do not do directly:
     reduce          an all-reduce into scratch memory on every rank but the root
     gather/scatter  the root receives from (sends to) each rank in turn
     premul_sum      every rank scales its tensor by the factor, then a sum
+    sparse          all_reduce of a sparse tensor (sum, as gloo's): every rank's
+                    indices and values gathered, added up where they coincide
     reduce_scatter  torch leaves the input unchanged; ours uses it as scratch, so it
                     works on a copy
     send/recv       the user's channel (routes.py), with torch's tags; a receive
@@ -154,8 +156,37 @@ class CollectivesBackend(dist._Backend):
             tensor.mul_(factor)
         api.all_reduce(tensor, op, algorithm, self.comm)
 
+    def _sparse_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        """A sparse COO tensor summed over ranks, in place, as gloo sums one: every
+        rank's non-zeros gathered (their count first, then the indices and the values,
+        padded to the most any rank has), then added where they coincide. Moves only
+        the non-zeros: nnz x (sparse dims x 8 bytes + a value's bytes) per rank."""
+        if op != "sum":
+            raise ValueError(f"all_reduce of a sparse tensor sums (as gloo's); op {op!r} "
+                             "is not supported")
+        local = tensor.coalesce()
+        counts = [row[0] for row in api.gather_rows(self.comm, [local._nnz()])]
+        widest, n = max(counts), self.comm.world_size
+        pieces = []
+        for mine in (local.indices().t(), _bytes_view(local.values())):
+            padded = mine.new_zeros((widest,) + tuple(mine.shape[1:]))
+            padded[:len(mine)] = mine
+            gathered = padded.new_empty((n * widest,) + tuple(mine.shape[1:]))
+            api.all_gather(gathered, padded.contiguous(), self.algorithm["all_gather"],
+                           self.comm)
+            pieces.append(torch.cat([gathered[r * widest:r * widest + counts[r]]
+                                     for r in range(n)]))
+        indices, values = pieces
+        if local.values().is_complex():
+            values = torch.view_as_complex(values)
+        tensor.copy_(torch.sparse_coo_tensor(indices.t(), values, tensor.shape,
+                                             check_invariants=True).coalesce())
+
     def allreduce(self, tensors, opts=None):
         op, factor = reduce_op(op_of(opts))  # a bad op fails in the caller, not on the worker
+        if any(t.is_sparse for t in tensors):
+            return self._submit("all_reduce", lambda: [
+                self._sparse_all_reduce(t, op) for t in tensors], list(tensors), opts=opts)
         algorithm = self.algorithm["all_reduce"]
         return self._submit("all_reduce", lambda: [
             self._all_reduce_in_place(t, op, factor, algorithm) for t in tensors],
