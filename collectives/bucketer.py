@@ -322,7 +322,7 @@ class Bucketer:
             self._wait_for_all()
         finally:  # the sparse reductions end too, whatever happened to the buckets
             sparse_reduced, self._sparse_reduced = self._sparse_reduced, {}
-            reduced_sparse = {key: wait() for key, wait in sparse_reduced.items()}
+            reduced_sparse = _wait_for_every_one(sparse_reduced)
         if missing and self.unused == "error":
             names = ", ".join(self._name(p) for p in missing[:5])
             raise RuntimeError(
@@ -406,3 +406,17 @@ class Bucketer:
         for hook in self._hooks:
             hook.remove()
         self.worker.stop()
+
+
+def _wait_for_every_one(waits: Dict) -> Dict:
+    """{key: wait()} for every wait, even after one raised (each frees what it holds);
+    then the first error, if any."""
+    results, first_error = {}, None
+    for key, wait in waits.items():
+        try:
+            results[key] = wait()
+        except Exception as error:
+            first_error = first_error or error
+    if first_error is not None:
+        raise first_error
+    return results

@@ -122,6 +122,15 @@ def check_horovod_collectives(comm):
     start = 0 if rank == 0 else rank + 1
     _close(part, total[start:start + (2 if rank == 0 else 1)], "reducescatter")
 
+    # integer averages round toward zero, as Horovod's, in allreduce and reducescatter
+    # alike (rank 0 holds -3, the others 0), and int64 stays exact beyond float64's 2^53
+    signed = torch.full((size, 2), -3 if rank == 0 else 0, dtype=torch.int32)
+    expected = torch.full((2,), int(-3 / size), dtype=torch.int32)
+    assert torch.equal(hvd.allreduce(signed)[0], expected), "integer allreduce average"
+    assert torch.equal(hvd.reducescatter(signed)[0], expected), "integer reducescatter average"
+    huge = torch.full((3,), 2 ** 53 + 1, dtype=torch.int64)
+    assert torch.equal(hvd.allreduce(huge), huge), hvd.allreduce(huge)
+
     # objects
     assert hvd.broadcast_object({"from": rank} if rank == 0 else None) == {"from": 0}
     assert hvd.allgather_object(("rank", rank)) == [("rank", r) for r in range(size)]
@@ -215,12 +224,13 @@ def check_horovod_negotiation(comm):
            "the next collective after the error")
 
     # a name only the last rank submits: a stall warning on rank 0, then an error
+    # Only rank 0's inspector expires names: its limits are shortened after the barrier
+    # (a rank late to a barrier must not be taken for a stall) and restored before the next.
     each = engine()
-    before = each.stall_timeout
-    each.stall_timeout = 1.5
-    if each.inspector is not None:
-        each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
     hvd.barrier()
+    if rank == 0:
+        limits = each.inspector.warn_after, each.inspector.fail_after
+        each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
     if rank == size - 1:
         started = time.monotonic()
         try:
@@ -237,13 +247,11 @@ def check_horovod_negotiation(comm):
         while "allreduce.lonely" in each.table.entries and time.monotonic() < deadline:
             time.sleep(0.02)
     if rank == 0:
+        each.inspector.warn_after, each.inspector.fail_after = limits
         report = each.inspector.reports[-1]
         missing = [f"rank {r}: [allreduce.lonely]" for r in range(size - 1)]
         assert all(line in report for line in missing), report
     hvd.barrier()
-    each.stall_timeout = before
-    if each.inspector is not None:
-        each.inspector.fail_after = before
 
     # sparse allreduce: an allgather of indices and values, equal to the dense allreduce
     generator = torch.Generator().manual_seed(rank)

@@ -104,6 +104,9 @@ def check_reductions(gloo, rank, size):
     dist.all_reduce(ref, group=gloo)
     assert ours.is_sparse, "all_reduce of a sparse tensor made it dense"
     same(ours.to_dense(), ref.to_dense(), "all_reduce sparse")
+    scaled = dense.to_sparse()  # PREMUL_SUM: each rank's share scaled before the sum
+    dist.all_reduce(scaled, op=dist._make_nccl_premul_sum(0.5))
+    same(scaled.to_dense(), ref.to_dense() * 0.5, "all_reduce sparse, premul sum")
     tensors, refs = [values(rank), values(rank, 3)], [values(rank), values(rank, 3)]
     dist.all_reduce_coalesced(tensors)
     dist.all_reduce_coalesced(refs, group=gloo)

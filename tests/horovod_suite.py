@@ -32,6 +32,7 @@ import argparse
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -167,13 +168,14 @@ def run_job(folder: str, selection: str, args) -> tuple:
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [folder,
                                                               environment.get("PYTHONPATH")]))
     hung = None
+    # In a session of its own, so that a job past its time ends whole: mpirun and ranks.
+    job = subprocess.Popen(command, cwd=folder, env=environment, start_new_session=True,
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        finished = subprocess.run(command, cwd=folder, env=environment, timeout=args.timeout,
-                                  capture_output=True, text=True)
-        log = finished.stdout + finished.stderr
-    except subprocess.TimeoutExpired as expired:
-        log = (expired.stdout or b"").decode(errors="replace") if isinstance(
-            expired.stdout, bytes) else (expired.stdout or "")
+        log, _ = job.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(job.pid, signal.SIGKILL)
+        log, _ = job.communicate()
         hung = last_test_started(log) if "::" not in selection else selection
     with open(os.path.join(folder, "job.log"), "a") as out:
         out.write(log)

@@ -48,6 +48,7 @@ import itertools
 import logging
 import os
 import pickle
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -65,6 +66,7 @@ log = logging.getLogger("collectives.horovod")
 # Horovod's settings, read once per engine (seconds unless said otherwise)
 STALL_WARNING_SECONDS = 60.0   # HOROVOD_STALL_CHECK_TIME_SECONDS
 CYCLE_MS = 5.0                 # HOROVOD_CYCLE_TIME: the longest idle wait between cycles
+UNNAMED = re.compile(r"[a-z_]+\.noname\.(\d+)")  # kind.noname.<n>: an unnamed call
 FIRST_IDLE_WAIT = 0.0005       # an idle cycle waits this long, doubling up to CYCLE_MS
 
 
@@ -142,7 +144,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()      # set by each submission
         self._handles = itertools.count(1)    # handle numbers
-        self._unnamed = itertools.count(1)    # the <n> of allreduce.noname.<n>
+        self._next_unnamed = 1                # the next <n> of allreduce.noname.<n>
         self.handles: Dict[int, Handle] = {}
         self.names_in_flight: set = set()
         self._queued: List[Request] = []      # submitted, not yet announced
@@ -164,7 +166,8 @@ class Engine:
         with self._lock:
             number = next(self._handles)
             if name is None:  # counted even if refused below, as Horovod counts
-                name = f"noname.{next(self._unnamed)}"
+                name = f"noname.{self._next_unnamed}"
+                self._next_unnamed += 1
             if self.stopped is not None:
                 raise HorovodInternalError(self.stopped)
             full = f"{kind}.{name}"
@@ -308,6 +311,14 @@ class Engine:
         return [pickle.loads(everyone[r * widest:r * widest + n].numpy().tobytes())
                 if n else Message() for r, n in enumerate(lengths)]
 
+    def _count_unnamed(self, name: str) -> None:
+        """An unnamed collective the others ran while this rank was joined counts here
+        too: after join() this rank's next unnamed call gets the number theirs does."""
+        number = UNNAMED.fullmatch(name)
+        if number is not None:
+            with self._lock:
+                self._next_unnamed = max(self._next_unnamed, int(number.group(1)) + 1)
+
     def _fail(self, outcome: Outcome) -> None:
         for name, _ranks, why in outcome.errors:
             with self._lock:
@@ -323,14 +334,17 @@ class Engine:
                 request = self._announced.pop(name, None)
             if request is None:  # joined: this rank stands in
                 self.shadow(next(iter(metas.values())), self.comm)
+                self._count_unnamed(name)
                 continue
             try:
                 result = request.run(metas, self.comm)
-            except PeerError as error:
+            except Exception as error:
+                # Peers may be inside this collective on the engine's communicator, or
+                # past it: this rank can no longer tell which message comes next (out
+                # of memory mid-call, a tensor resized after submission, a peer lost).
+                # The engine stops; the transport tells the peers.
                 request.handle.fail(HorovodInternalError(f"{name}: {error}"))
-                raise  # the communicator is broken: the engine stops
-            except Exception as error:  # this rank's own failure, e.g. out of memory
-                request.handle.fail(error)
+                raise
             else:
                 request.handle.finish(result)
         if outcome.join_done is not None:

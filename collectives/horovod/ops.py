@@ -126,9 +126,12 @@ def _reduce_in_place(flat: torch.Tensor, op: str, prescale: float, postscale: fl
     """
     _scale(flat, prescale)
     if op == Average and not flat.is_floating_point():
-        wide = flat.to(torch.int64)
+        wide = flat.to(torch.int64, copy=True)
         api.all_reduce(wide, op=Sum, algorithm=algorithm, comm=comm, check=False)
-        flat.copy_((wide.double() * (postscale / comm.world_size)).to(flat.dtype))
+        if postscale == 1.0:  # exact, even beyond float64's 2^53
+            flat.copy_(torch.div(wide, comm.world_size, rounding_mode="trunc"))
+        else:
+            flat.copy_((wide.double() * (postscale / comm.world_size)).to(flat.dtype))
         return
     api.all_reduce(flat, op=op, algorithm=algorithm, comm=comm, check=False)
     _scale(flat, postscale)
@@ -237,7 +240,12 @@ def _reducescatter_run(tensor: torch.Tensor, op: str, prescale: float, postscale
             start += count
         _scale(padded, prescale)
         out = tensor.new_empty(widest * per_row)
-        api.reduce_scatter(out, padded, op=op, comm=comm, check=False)
+        if op == Average and not tensor.is_floating_point():  # rounded toward zero, as
+            wide = torch.empty(widest * per_row, dtype=torch.int64)  # allreduce's
+            api.reduce_scatter(wide, padded.to(torch.int64), op=Sum, comm=comm, check=False)
+            out.copy_(torch.div(wide, comm.world_size, rounding_mode="trunc"))
+        else:
+            api.reduce_scatter(out, padded, op=op, comm=comm, check=False)
         _scale(out, postscale)
         mine = rows[comm.rank]
         return out[:mine * per_row].view((mine,) + tuple(tensor.shape[1:]))
@@ -603,8 +611,10 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     size = get_comm().world_size
 
     def wait():
-        values = synchronize(values_handle)
-        indices = synchronize(indices_handle)
+        try:  # both handles end, whatever either raises: their names are free again
+            values = synchronize(values_handle)
+        finally:
+            indices = synchronize(indices_handle)
         if op == Average:
             values = values / size
         return torch.sparse_coo_tensor(indices.t(), values, tensor.size(),

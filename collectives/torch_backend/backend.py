@@ -156,14 +156,12 @@ class CollectivesBackend(dist._Backend):
             tensor.mul_(factor)
         api.all_reduce(tensor, op, algorithm, self.comm)
 
-    def _sparse_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
-        """A sparse COO tensor summed over ranks, in place, as gloo sums one: every
+    def _sparse_all_reduce(self, tensor: torch.Tensor, factor) -> None:
+        """A sparse COO tensor summed over ranks (each share times `factor` for
+        PREMUL_SUM, None for SUM), in place, as gloo sums one: every
         rank's non-zeros gathered (their count first, then the indices and the values,
         padded to the most any rank has), then added where they coincide. Moves only
         the non-zeros: nnz x (sparse dims x 8 bytes + a value's bytes) per rank."""
-        if op != "sum":
-            raise ValueError(f"all_reduce of a sparse tensor sums (as gloo's); op {op!r} "
-                             "is not supported")
         local = tensor.coalesce()
         counts = [row[0] for row in api.gather_rows(self.comm, [local._nnz()])]
         widest, n = max(counts), self.comm.world_size
@@ -179,14 +177,22 @@ class CollectivesBackend(dist._Backend):
         indices, values = pieces
         if local.values().is_complex():
             values = torch.view_as_complex(values)
-        tensor.copy_(torch.sparse_coo_tensor(indices.t(), values, tensor.shape,
-                                             check_invariants=True).coalesce())
+        elif local.values().dtype == torch.bool:
+            values = values.view(torch.bool)
+        summed = torch.sparse_coo_tensor(indices.t(), values, tensor.shape,
+                                         check_invariants=True).coalesce()
+        if factor is not None:  # PREMUL_SUM: each rank's share scaled, so the sum too
+            summed = summed * factor
+        tensor.copy_(summed)
 
     def allreduce(self, tensors, opts=None):
         op, factor = reduce_op(op_of(opts))  # a bad op fails in the caller, not on the worker
         if any(t.is_sparse for t in tensors):
+            if op != "sum" or not all(t.is_sparse for t in tensors):
+                raise ValueError(f"all_reduce of sparse tensors sums them (as gloo's), all "
+                                 f"sparse; op {op!r} on this list is not supported")
             return self._submit("all_reduce", lambda: [
-                self._sparse_all_reduce(t, op) for t in tensors], list(tensors), opts=opts)
+                self._sparse_all_reduce(t, factor) for t in tensors], list(tensors), opts=opts)
         algorithm = self.algorithm["all_reduce"]
         return self._submit("all_reduce", lambda: [
             self._all_reduce_in_place(t, op, factor, algorithm) for t in tensors],
