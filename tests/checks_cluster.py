@@ -4,6 +4,9 @@
                                                           plus NIC bytes per algorithm
     python checks_cluster.py BACKEND loop OUTDIR         all-reduce until a peer fails
     python checks_cluster.py BACKEND ddp OUTDIR          our DDP equals torch's DDP
+    python checks_cluster.py BACKEND slurm OUTDIR        under srun: every algorithm (float32,
+                                                          every op), where Slurm placed us,
+                                                          what auto picks, the rendezvous port
 
 Each rank writes what it saw to OUTDIR/rank<R>.json; the test compares the ranks.
 """
@@ -93,12 +96,42 @@ def ddp_case(comm):
     return {"digest": str(digests)}
 
 
+def slurm_case(comm):
+    """What a rank started by Slurm saw: its place, the algorithms' answers, auto's pick
+    for a large all-reduce, and the port its job step met on."""
+    import torch
+    from collectives.algorithms.auto import all_reduce_choice
+    from collectives.launch import detect_launch
+    from collectives.launch.rendezvous import slurm_rendezvous
+    digests = check_all_reduce(comm, dtypes=[torch.float32])
+    return {"digest": str(sorted(digests.items())), "checks": len(digests),
+            "job": os.environ["SLURM_JOB_ID"], "node_id": int(os.environ["SLURM_NODEID"]),
+            "ranks_on_host": len(comm.topology.local_ranks(comm.rank)),  # as the ranks found
+            "launch": detect_launch().__dict__,  # as Slurm said
+            "auto_16M": all_reduce_choice(16 << 20, comm.world_size, comm.name, comm.topology),
+            "port": slurm_rendezvous(os.environ)[1]}
+
+
+def meet_other_jobs(folder: str, jobs: int, seconds: float = 120) -> None:
+    """Wait until ranks of `jobs` different Slurm jobs have arrived in `folder`, so that
+    the jobs meet at their rendezvous at the same time, on the same nodes."""
+    job = os.environ["SLURM_JOB_ID"]
+    open(os.path.join(folder, f"job{job}-task{os.environ['SLURM_PROCID']}"), "w").close()
+    deadline = time.monotonic() + seconds
+    while len({name.split("-")[0] for name in os.listdir(folder)}) < jobs:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other jobs did not start within {seconds} s")
+        time.sleep(0.1)
+
+
 def main(backend: str, case: str, outdir: str) -> None:
+    if os.environ.get("CHECK_MEET_JOBS"):
+        meet_other_jobs(os.environ["CHECK_MEET_DIR"], int(os.environ["CHECK_MEET_JOBS"]))
     comm = collectives.init(backend=backend, timeout=float(os.environ.get("CHECK_TIMEOUT", 30)))
     result = {"rank": comm.rank, "hostname": socket.gethostname(), "transport": comm.name,
               "local_rank": comm.local_rank}
     cases = {"algorithms": algorithms_case, "ddp": ddp_case,
-             "loop": lambda comm: loop_case(comm, outdir)}
+             "loop": lambda comm: loop_case(comm, outdir), "slurm": slurm_case}
     result.update(cases[case](comm))
     result["finished_at"] = time.monotonic()
     with open(os.path.join(outdir, f"rank{comm.rank}.json"), "w") as out:

@@ -5,6 +5,7 @@ import argparse
 import pytest
 
 from collectives.launch import LaunchError, add_local_rank_argument, detect_launch
+from collectives.launch.rendezvous import rendezvous_address, slurm_rendezvous
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -17,7 +18,13 @@ from collectives.launch import LaunchError, add_local_rank_argument, detect_laun
       "MV2_COMM_WORLD_LOCAL_RANK": "1"}, (5, 6, 1, "mvapich")),
     # srun --mpi=pmix: PMIx names the rank, Slurm the size
     ({"PMIX_RANK": "2", "SLURM_PROCID": "2", "SLURM_NTASKS": "3"}, (2, 3, 0, "pmix")),
-    ({"SLURM_PROCID": "7", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3"}, (7, 16, 3, "slurm")),
+    ({"SLURM_PROCID": "7", "SLURM_NTASKS": "16", "SLURM_LOCALID": "3", "SLURM_STEP_ID": "0"},
+     (7, 16, 3, "slurm")),
+    # a batch script or salloc shell: Slurm's variables are the allocation's, not a rank's
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_JOB_ID": "12"}, (0, 1, 0, "none")),
+    # srun --mpi=pmi2 with MPICH: PMI names the rank, Slurm the local rank
+    ({"PMI_RANK": "3", "PMI_SIZE": "4", "SLURM_PROCID": "3", "SLURM_NTASKS": "4",
+      "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0"}, (3, 4, 1, "mpich")),
     # mpirun inside a Slurm allocation: MPI's variables win over the batch script's
     ({"SLURM_PROCID": "0", "SLURM_NTASKS": "1", "PMI_RANK": "2", "PMI_SIZE": "4"},
      (2, 4, 0, "mpich")),
@@ -32,6 +39,48 @@ def test_detects_each_launcher(env, expected):
     assert info.launcher == launcher
 
 
+@pytest.mark.parametrize("tasks_per_node, node, expected", [
+    ("2(x2)", "1", 2), ("3,1", "1", 1), ("2(x3),1", "3", 1), ("4", "0", 4),
+    ("2(x2)", "5", None),   # a node the step does not list: unknown, not a guess
+])
+def test_slurm_tasks_on_this_node_from_the_step(tasks_per_node, node, expected):
+    env = {"SLURM_PROCID": "0", "SLURM_NTASKS": "8", "SLURM_STEP_ID": "0",
+           "SLURM_NTASKS_PER_NODE": "9",  # the allocation's: never the step's answer
+           "SLURM_STEP_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": node}
+    assert detect_launch(env).local_world_size == expected
+
+
+def test_slurm_rendezvous_is_the_steps_first_node_on_a_port_of_job_and_step():
+    step = {"SLURM_JOB_NODELIST": "gpu[07-09,11],login1", "SLURM_STEP_NODELIST": "gpu[09,11]",
+            "SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0"}
+    host, port = slurm_rendezvous(step)
+    assert host == "gpu09"
+    batch = dict(step, SLURM_STEP_ID="1")
+    batch.pop("SLURM_STEP_NODELIST")
+    other_host, other_port = slurm_rendezvous(batch)
+    assert other_host == "gpu07"
+    next_job = slurm_rendezvous(dict(step, SLURM_JOB_ID="4243"))[1]
+    assert len({port, other_port, next_job}) == 3  # two steps, two jobs: three ports
+    assert all(15000 <= p < 31000 for p in (port, other_port, next_job))
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"SLURM_JOB_NODELIST": "node[0-"}, "SLURM_JOB_NODELIST='node\\[0-' is not a Slurm node list"),
+    ({"SLURM_JOB_NODELIST": "n1", "SLURM_JOB_ID": "x"}, "SLURM_JOB_ID='x' is not an integer"),
+])
+def test_bad_slurm_settings_name_the_variable(env, message):
+    with pytest.raises(LaunchError, match=message):
+        slurm_rendezvous(env)
+
+
+def test_a_master_that_does_not_resolve_is_one_line_naming_it(monkeypatch):
+    monkeypatch.setenv("MASTER_ADDR", "no-such-host.invalid")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    with pytest.raises(LaunchError, match="'no-such-host.invalid' \\(MASTER_ADDR\\) does not "
+                                          "resolve on"):
+        rendezvous_address(detect_launch({"RANK": "1", "WORLD_SIZE": "2"}))
+
+
 def test_pmix_rank_with_world_size_from_mpi():
     info = detect_launch({"PMIX_RANK": "1"}, mpi_world_size=2)
     assert (info.rank, info.world_size, info.launcher) == (1, 2, "pmix")
@@ -44,7 +93,8 @@ def test_pmix_rank_with_world_size_from_mpi():
     ({"PMI_SIZE": "2"}, "PMI_SIZE is set but PMI_RANK is not"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x' is not an integer"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE=0 must be at least 1"),
-    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "2"}, "SLURM_PROCID=3 must be below SLURM_NTASKS=2"),
+    ({"SLURM_PROCID": "3", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
+     "SLURM_PROCID=3 must be below SLURM_NTASKS=2"),
     ({"PMIX_RANK": "0"}, "PMIX_RANK is set but no world size is known"),
 ])
 def test_bad_settings_name_the_variable(env, message):

@@ -419,3 +419,35 @@ def test_imagefolder_dataset(tmp_path):
     assert "on imagefolder (48 images)" in out["stdout"]
     (record,) = read_metrics(tmp_path / "m.jsonl")
     assert 0.0 <= record["test_acc"] <= 1.0
+
+
+@pytest.mark.parametrize("mode, env, to_file, expected", [
+    ("auto", {}, False, "bar"),                        # a terminal, or a launcher's pipe
+    ("auto", {}, True, "lines"),                       # stderr redirected to a file
+    ("auto", {"ENVIRONMENT": "BATCH"}, False, "lines"),  # a Slurm batch job
+    ("bar", {"ENVIRONMENT": "BATCH"}, True, "bar"),    # asked for: as asked
+    ("off", {}, False, "off"),
+])
+def test_progress_is_a_bar_on_a_terminal_and_lines_in_a_log(mode, env, to_file, expected,
+                                                             tmp_path):
+    from trainer.loop.progress import chosen_mode
+    if to_file:
+        stream = open(tmp_path / "log", "w")
+    else:  # a pipe: what a launcher hands its ranks
+        read_end, write_end = os.pipe()
+        os.close(read_end)
+        stream = os.fdopen(write_end, "w")
+    with stream:
+        assert chosen_mode(mode, stream, env) == expected
+
+
+def test_progress_in_a_log_is_one_line_per_update_and_the_last_stays(tmp_path):
+    from trainer.loop.progress import progress
+    with open(tmp_path / "log", "w") as log:
+        for _ in progress(range(5), "epoch 1/1", 5, "lines", show=True, stream=log):
+            pass
+    text = (tmp_path / "log").read_text()
+    assert "\r" not in text
+    lines = text.splitlines()
+    assert lines[0].startswith("epoch 1/1:   0%") and lines[-1].startswith("epoch 1/1: 100%")
+    assert all(len(line) <= 100 for line in lines), lines

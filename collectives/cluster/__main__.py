@@ -6,6 +6,8 @@
     python -m collectives.cluster --ranks-per-host 1,3 -- python script.py    (uneven hosts)
     python -m collectives.cluster --hosts 2 --ranks-per-host 2 --launcher mpirun -- \\
         mpirun -np 4 python -m trainer --backend mpi
+    python -m collectives.cluster --hosts 4 --scheduler slurm -- \\
+        srun -N 4 --ntasks-per-node 2 python -m trainer      (Slurm on the hosts)
     python -m collectives.cluster --cleanup        (remove what killed runs left behind)
 
 The network exists only while the job runs: it is built before the first rank starts
@@ -13,7 +15,7 @@ and removed when the job ends, fails, or is stopped by a signal: Ctrl-C (SIGINT)
 closed terminal or dropped ssh session (SIGHUP), kill (SIGTERM). Exit status: the worst
 rank's; 128 + the signal's number when stopped by one (129, 130, 143), as a shell
 reports it; 2 when the cluster cannot be built here (one line says why: no root, a
-missing tool).
+missing tool, Slurm not installed).
 """
 from __future__ import annotations
 
@@ -23,8 +25,9 @@ import sys
 from typing import List, Optional, Sequence
 
 from ..launch import split_command
-from .job import start_mpirun, start_ranks
+from .job import start_mpirun, start_on_login_node, start_ranks
 from .network import ClusterError, ClusterSpec, Network, check_tools, remove_leftovers
+from .slurm import Slurm, check_slurm
 
 STOP_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
 
@@ -61,6 +64,10 @@ def parse(argv: Sequence[str]):
                         help="ranks (default): start every rank with torchrun's variables; "
                              "mpirun: run COMMAND, an mpirun line, on node0 with ssh "
                              "replaced so it reaches every host")
+    parser.add_argument("--scheduler", choices=("none", "slurm"), default="none",
+                        help="slurm: run munged, slurmctld on node0 and a slurmd on every "
+                             "host, then COMMAND on node0 as at a login node (srun, sbatch, "
+                             "salloc); needs Debian's slurm-wlm and munge")
     parser.add_argument("--no-prefix", action="store_true",
                         help="do not prefix each output line with its rank")
     parser.add_argument("--cleanup", action="store_true",
@@ -70,6 +77,9 @@ def parse(argv: Sequence[str]):
         return args, command, None
     if not command:
         parser.error("no command given: put it after --, e.g. -- python -m trainer")
+    if args.scheduler == "slurm" and args.launcher != "ranks":
+        parser.error("--scheduler slurm runs COMMAND on node0, where srun or sbatch start "
+                     "the ranks: drop --launcher")
     try:
         if args.hosts is not None and args.hosts < 1:
             raise ValueError(f"--hosts must be at least 1, got {args.hosts}")
@@ -112,6 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args, command, spec = parse(sys.argv[1:] if argv is None else argv)
     try:
         check_tools()  # even --cleanup runs ip
+        if args.scheduler == "slurm":
+            check_slurm()
     except ClusterError as error:
         return _fail(error)
     if args.cleanup:
@@ -126,7 +138,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     job = None
     try:
         network.build()
-        if args.launcher == "mpirun":
+        if args.scheduler == "slurm":
+            job = start_on_login_node(network, command, Slurm(network).start().env())
+        elif args.launcher == "mpirun":
             job = start_mpirun(network, command)
         else:
             job = start_ranks(network, command, prefix=not args.no_prefix)

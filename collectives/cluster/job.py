@@ -1,6 +1,6 @@
 """Starting a job's ranks on the emulated hosts, the way a multi-node launcher does.
 
-Two ways, as on a real cluster:
+Three ways, as on a real cluster:
 
 - `start_ranks` (torchrun-style): this process starts every rank itself, each inside
   its host's namespaces, with the variables torchrun sets on a multi-node job:
@@ -14,7 +14,11 @@ Two ways, as on a real cluster:
   for ssh that enters that host's namespaces (HYDRA_LAUNCHER_EXEC). A host file lists
   every host with its number of ranks, so a plain `mpirun -np N` fills them in order.
 
-Either way every process also gets COLLECTIVES_CLUSTER_IFACE (its NIC, whose byte
+- `start_on_login_node`: the user's command runs once on node0, as at a cluster's
+  login node, and a launcher of its own starts the ranks: under `--scheduler slurm`
+  (slurm.py) that is `srun` or `sbatch`, and Slurm's daemons start the tasks.
+
+Every way, every process also gets COLLECTIVES_CLUSTER_IFACE (its NIC, whose byte
 counters `collectives.cluster.link_bytes()` reads) and COLLECTIVES_CLUSTER_RATE (the
 link's bits per second), so benchmarks can report what really crossed the wire.
 
@@ -168,6 +172,16 @@ def rsh_script(network: Network) -> str:
     return path
 
 
+def start_on_login_node(network: Network, command: Sequence[str],
+                        extra_env: Optional[Dict[str, str]] = None) -> Job:
+    """Run `command` once, on node0, as a user at a cluster's login node would: a
+    launcher (mpirun, srun, sbatch) that starts the ranks itself."""
+    env = _cluster_env(network)
+    env.update(extra_env or {})
+    process = subprocess.Popen(network.enter(0) + list(command), env=env)
+    return Job([process], [command[0]], prefix=False, network=network)
+
+
 def start_mpirun(network: Network, command: Sequence[str],
                  extra_env: Optional[Dict[str, str]] = None) -> Job:
     """Run `command` (an mpirun/mpiexec line) on node0, with ssh replaced by our rsh."""
@@ -175,9 +189,7 @@ def start_mpirun(network: Network, command: Sequence[str],
     host_file = os.path.join(network.state_dir, "hosts")
     with open(host_file, "w") as hosts:
         hosts.writelines(f"{spec.hostname(h)}:{n}\n" for h, n in enumerate(spec.ranks_per_host))
-    env = _cluster_env(network)
-    env.update(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=rsh_script(network),
+    env = dict(HYDRA_LAUNCHER="ssh", HYDRA_LAUNCHER_EXEC=rsh_script(network),
                HYDRA_HOST_FILE=host_file, HYDRA_IFACE=IFACE)
     env.update(extra_env or {})
-    process = subprocess.Popen(network.enter(0) + list(command), env=env)
-    return Job([process], ["mpirun"], prefix=False, network=network)
+    return start_on_login_node(network, command, env)

@@ -213,8 +213,12 @@ class Network:
         open(uts, "w").close()
         _run(["unshare", f"--uts={uts}", "hostname", self.spec.hostname(host)])
         os.makedirs(self.etc_dir(host), exist_ok=True)
+        # Each address also as IPv6 sees it (::ffff:a.b.c.d): torch's store accepts on a
+        # dual-stack socket and looks its clients' names up by that form; without it the
+        # lookup goes on to DNS, which no host here can reach, and c10d warns on every rank.
         lines = ["127.0.0.1 localhost"] + [
-            f"{self.spec.address(h)} {self.spec.hostname(h)}" for h in range(self.spec.hosts)]
+            f"{address} {self.spec.hostname(h)}" for h in range(self.spec.hosts)
+            for address in (self.spec.address(h), f"::ffff:{self.spec.address(h)}")]
         with open(os.path.join(self.etc_dir(host), "hosts"), "w") as hosts:
             hosts.write("\n".join(lines) + "\n")
 

@@ -16,6 +16,15 @@ launcher's variables win over Slurm's, because `mpirun` inside a Slurm allocatio
 inherits the batch script's SLURM_PROCID=0. With none of them set we are a single
 process: rank 0 of a world of 1.
 
+Slurm's variables name a rank only inside a job step, a process `srun` started (it sets
+SLURM_STEP_ID). A batch script or an `salloc` shell also sees SLURM_PROCID=0 and
+SLURM_NTASKS, the whole allocation's task count: `python train.py` run there directly,
+without srun, is one process, not rank 0 of a world that will never come. Ranks on a
+node under srun: SLURM_STEP_TASKS_PER_NODE ("2(x3),1": tasks on each of the step's
+nodes), at this node's place, SLURM_NODEID (SLURM_NTASKS_PER_NODE is the allocation's,
+not the step's). An MPI launched by srun (`srun --mpi=pmi2`) names the rank but not
+the local rank: SLURM_LOCALID gives it.
+
 `detect_launch()` only reads the environment; it never starts communication, so it
 is cheap to call and easy to test with a faked environment.
 
@@ -74,8 +83,29 @@ _LAUNCHERS = [
     ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE",
      "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
     ("pmix", "PMIX_RANK", None, None, None),
-    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NTASKS_PER_NODE"),
+    ("slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None),
 ]
+
+
+def _in_slurm_step(env: Mapping[str, str]) -> bool:
+    """True in a process srun started; False in a batch script or an salloc shell."""
+    return "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+
+
+def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> Optional[int]:
+    """Tasks of this job step on this node: SLURM_STEP_TASKS_PER_NODE ("2(x3),1") at
+    the place SLURM_NODEID names; None when Slurm does not say."""
+    counts: List[int] = []
+    for part in env.get("SLURM_STEP_TASKS_PER_NODE", "").split(","):
+        count, _, times = part.partition("(x")
+        try:
+            counts += [int(count)] * int(times.rstrip(")") or 1)
+        except ValueError:
+            return None
+    try:
+        return counts[int(env["SLURM_NODEID"])]
+    except (KeyError, ValueError, IndexError):
+        return None
 
 
 def split_command(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -103,7 +133,7 @@ def _optional_int(env: Mapping[str, str], name: Optional[str]) -> Optional[int]:
     if name is None or name not in env:
         return None
     try:
-        return int(env[name].split("(")[0].split(",")[0])  # Slurm may write "2(x3)"
+        return int(env[name])
     except ValueError:
         return None
 
@@ -117,6 +147,8 @@ def detect_launch(env: Optional[Mapping[str, str]] = None,
     """
     env = os.environ if env is None else env
     for launcher, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
+        if launcher == "slurm" and not _in_slurm_step(env):
+            continue  # a batch script's or salloc's variables: the allocation's, not ours
         has_rank = rank_var in env
         has_size = size_var is not None and size_var in env
         if not has_rank and not has_size:
@@ -140,9 +172,14 @@ def detect_launch(env: Optional[Mapping[str, str]] = None,
             raise LaunchError(f"{size_var}={size} must be at least 1")
         if rank >= size:
             raise LaunchError(f"{rank_var}={rank} must be below {size_var}={size}")
-        local_rank = _read_int(env, local_var) if local_var and local_var in env else 0
-        return LaunchInfo(rank, size, local_rank, launcher,
-                          _optional_int(env, local_size_var))
+        local_rank = _read_int(env, local_var) if local_var and local_var in env else None
+        local_size = _optional_int(env, local_size_var)
+        if _in_slurm_step(env):  # srun started us: Slurm knows this node's tasks
+            if local_rank is None and "SLURM_LOCALID" in env:
+                local_rank = _read_int(env, "SLURM_LOCALID")
+            if local_size is None:
+                local_size = _slurm_tasks_on_this_node(env)
+        return LaunchInfo(rank, size, local_rank or 0, launcher, local_size)
     return LaunchInfo(0, 1, 0, "none", 1)
 
 

@@ -6,8 +6,9 @@ says where it is depends on the launcher:
     torchrun (and any env:// launch)   MASTER_ADDR and MASTER_PORT, set for every rank
     mpirun                             nobody: rank 0 picks its address and a free
                                        port and broadcasts them over MPI
-    Slurm (srun)                       the first node of SLURM_JOB_NODELIST, a port
-                                       from the job id (two jobs on a node differ)
+    Slurm (srun)                       the first node of the step's node list, a port
+                                       from the job and step ids (two jobs on a node
+                                       differ)
 
 Under an MPI launcher the launcher's world must also be MPI's: a mismatch is the
 classic sign of an mpirun from another MPI than mpi4py's.
@@ -15,9 +16,7 @@ classic sign of an mpirun from another MPI than mpi4py's.
 from __future__ import annotations
 
 import os
-import re
 import socket
-import subprocess
 from typing import Tuple
 
 from .environment import LaunchError, LaunchInfo
@@ -27,6 +26,12 @@ from .spawn import free_port
 
 def check_mpi_agrees(info: LaunchInfo, world) -> None:
     """The classic wrong-mpirun symptom: the launcher says N ranks, MPI says 1."""
+    if info.launcher == "slurm" and world.Get_size() == 1 < info.world_size:
+        raise LaunchError(
+            f"srun started {info.world_size} tasks but MPI sees a world of 1 in each: srun "
+            "gave MPI no process manager to meet through; start with `srun --mpi=pmi2` "
+            "(MPICH; `srun --mpi=list` shows what this Slurm has) or run mpirun inside the "
+            "allocation")
     if info.launcher != "none" and world.Get_size() != info.world_size:
         library = " ".join(mpi().Get_library_version().split()[:3])
         raise LaunchError(
@@ -35,31 +40,59 @@ def check_mpi_agrees(info: LaunchInfo, world) -> None:
             f"mpi4py's ({library}); start with ./launch_mpi.sh")
 
 
-def first_slurm_host(nodelist: str) -> str:
-    """The first host of a Slurm node list such as "node[03-07,12],gpu1"."""
+SLURM_PORTS = (15000, 16000)  # first port, span: below Linux's ephemeral ports (32768-)
+
+
+def slurm_rendezvous(env) -> Tuple[str, int]:
+    """Rank 0's host and port under srun, worked out alike on every rank.
+
+    Rank 0 runs on the first node of the job step (SLURM_STEP_NODELIST; a batch job's
+    SLURM_JOB_NODELIST where srun did not say), in Slurm's compressed form
+    ("node[03-07,12],gpu1"), expanded as Slurm does by python-hostlist. The port comes
+    from the job and step ids, so two jobs, or two steps of one job, that share a node
+    listen on different ports.
+    """
+    import hostlist  # python-hostlist: Slurm's node-list syntax, maintained for it
+
+    name = "SLURM_STEP_NODELIST" if "SLURM_STEP_NODELIST" in env else "SLURM_JOB_NODELIST"
     try:
-        out = subprocess.run(["scontrol", "show", "hostnames", nodelist],
-                             capture_output=True, text=True, timeout=10)
-        if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.split()[0]
-    except (OSError, subprocess.TimeoutExpired):
-        pass
-    match = re.match(r"([^,\[]+)(?:\[([^\]]+)\])?", nodelist)
-    if not match:
-        raise LaunchError(f"SLURM_JOB_NODELIST={nodelist!r} could not be read")
-    prefix, ranges = match.groups()
-    return prefix + (ranges.split(",")[0].split("-")[0] if ranges else "")
+        first = hostlist.expand_hostlist(env[name])[0]
+    except (hostlist.BadHostlist, IndexError):
+        raise LaunchError(f"{name}={env[name]!r} is not a Slurm node list") from None
+    ids = []
+    for variable in ("SLURM_JOB_ID", "SLURM_STEP_ID"):
+        try:
+            ids.append(int(env.get(variable, "0")))
+        except ValueError:
+            raise LaunchError(f"{variable}={env[variable]!r} is not an integer") from None
+    job, step = ids
+    first_port, span = SLURM_PORTS
+    return first, first_port + (job * 16 + step) % span
+
+
+def check_resolves(host: str, port: int, source: str) -> None:
+    """One line naming the host, where it came from and where it does not resolve,
+    instead of torch's store retrying an unknown name with a warning, for ever."""
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise LaunchError(f"the rendezvous host {host!r} ({source}) does not resolve on "
+                          f"{socket.gethostname()}: {error.strerror}; every rank must reach "
+                          "it by that name (check /etc/hosts or DNS)") from None
 
 
 def rendezvous_address(info: LaunchInfo) -> Tuple[str, int]:
-    """(host, port) of rank 0's store: from the environment, over MPI, or from Slurm."""
+    """(host, port) of rank 0's store: from the environment, over MPI, or from Slurm.
+    A host that does not resolve here is a LaunchError naming it."""
     env = os.environ
     has_addr, has_port = "MASTER_ADDR" in env, "MASTER_PORT" in env
     if has_addr and has_port:
         try:
-            return env["MASTER_ADDR"], int(env["MASTER_PORT"])
+            host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
         except ValueError:
             raise LaunchError(f"MASTER_PORT={env['MASTER_PORT']!r} is not an integer") from None
+        check_resolves(host, port, "MASTER_ADDR")
+        return host, port
     if has_addr != has_port:
         missing = "MASTER_PORT" if has_addr else "MASTER_ADDR"
         raise LaunchError(f"{missing} is not set but its partner is: set both or neither")
@@ -72,8 +105,10 @@ def rendezvous_address(info: LaunchInfo) -> Tuple[str, int]:
             host = "127.0.0.1" if single_host else socket.gethostbyname(socket.gethostname())
             address = (host, free_port())
         return world.bcast(address, root=0)
-    if info.launcher == "slurm" and "SLURM_JOB_NODELIST" in env:
-        port = 29500 + int(env.get("SLURM_JOB_ID", "0")) % 5000
-        return first_slurm_host(env["SLURM_JOB_NODELIST"]), port
+    if info.launcher == "slurm" and ("SLURM_STEP_NODELIST" in env
+                                     or "SLURM_JOB_NODELIST" in env):
+        host, port = slurm_rendezvous(env)
+        check_resolves(host, port, "the first node Slurm lists for this job step")
+        return host, port
     raise LaunchError(f"MASTER_ADDR and MASTER_PORT are not set ({info.launcher} launcher, "
                       f"world of {info.world_size}): set them, or launch with torchrun or mpirun")

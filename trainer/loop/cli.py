@@ -6,6 +6,7 @@ import argparse
 from collectives import algorithms, sync
 from collectives.launch import add_local_rank_argument
 from .. import torch_peers
+from . import progress
 from .models import ARCHITECTURES
 
 DESCRIPTION = """\
@@ -163,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --resume: evaluate the checkpoint on the test split and stop")
     files.add_argument("--metrics", metavar="FILE",
                        help="append one JSON object per epoch to FILE")
+    files.add_argument("--progress", choices=progress.MODES, default="auto",
+                       help="rank 0's progress: a bar on a terminal, lines in a log file "
+                            "(auto, the default: lines in a Slurm batch job or when stderr "
+                            "is a file), bar, lines or off")
     files.add_argument("--trace", metavar="DIR",
                        help="write a timeline of --trace-steps: DIR/rank<R>.json per rank and "
                             "DIR/trace.json (all ranks, one clock) for Perfetto; "

@@ -51,7 +51,6 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, Subset
 from torch.utils.data.distributed import DistributedSampler
-from tqdm import tqdm
 
 import collectives
 from collectives import trace
@@ -60,6 +59,7 @@ from .. import torch_peers
 from ..timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 from . import checkpoint, data
 from .cli import create_sync, parse_args
+from .progress import progress
 from .models import build_model
 
 
@@ -346,8 +346,8 @@ def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
     started = time.perf_counter()
     losses = []
     micro_batches = run.steps_per_epoch * args.accum_steps
-    batches = tqdm(run.loader, desc=f"epoch {epoch}/{args.epochs}", disable=run.comm.rank != 0,
-                   leave=False, mininterval=1.0, dynamic_ncols=True, total=micro_batches)
+    batches = progress(run.loader, f"epoch {epoch}/{args.epochs}", micro_batches,
+                       args.progress, show=run.comm.rank == 0)
     for index, (images, labels) in enumerate(batches):
         if index >= micro_batches:
             break  # an incomplete accumulation at the end of the epoch is dropped
@@ -358,7 +358,7 @@ def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
         last_micro = (index + 1) % args.accum_steps == 0
         losses.append(forward_backward(run, images, labels, synchronise=last_micro))
         if last_micro and optimizer_step(run, step_started) and run.comm.rank == 0:
-            batches.set_postfix(loss=f"{losses[-1]:.3f}")
+            batches.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)  # at its next redraw
     with run.clock.blocking("drain"):  # the epoch's background communication ends in it
         drain_background(run.ddp, run.strategy)
     train_seconds = time.perf_counter() - started
