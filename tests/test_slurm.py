@@ -19,8 +19,9 @@ from collectives.cluster.job import _cluster_env
 from collectives.cluster.slurm import PROGRAMS, Slurm
 from collectives.cluster.network import STATE_ROOT, TOOLS
 from collectives.launch.mpirun import find_mpirun
-from test_cluster import (FAST, ROOT, assert_left_nothing, checks, netns_names, read_ranks,
-                          run_cli)
+from test_cluster import (FAST, ROOT, assert_left_nothing, checks, default_stop_signals,
+                          host_links, marked_processes, netns_names, read_ranks, run_cli,
+                          running_launcher)
 
 MISSING = [program for program in PROGRAMS if shutil.which(program) is None]
 needs_slurm = pytest.mark.skipif(bool(MISSING), reason=(
@@ -208,6 +209,45 @@ def test_the_cli_runs_srun_on_node0_and_removes_everything():
     assert done.returncode == 0, done.stderr
     assert sorted(done.stdout.splitlines()) == ["node0 0", "node0 1", "node1 2", "node1 3"]
     assert (set(os.listdir(STATE_ROOT)), netns_names()) == before, "the run left something"
+
+
+def marked_commands(mark):
+    """The command names of the live processes that carry the launcher's mark."""
+    names = []
+    for pid in marked_processes(mark):
+        try:
+            with open(f"/proc/{pid}/comm") as comm:
+                names.append(comm.read().strip())
+        except OSError:
+            pass  # gone meanwhile
+    return names
+
+
+@needs_slurm
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stop", ["Ctrl-C", "SIGKILL, then --cleanup"])
+def test_the_cli_stopped_mid_job_leaves_no_daemon_and_no_rank(stop):
+    """Slurm's daemons and the tasks they started carry the launcher's environment mark
+    (srun passes the login node's environment on), so none can escape the check."""
+    links = host_links()
+    with running_launcher("--hosts", "2", "--scheduler", "slurm", "--", "srun", "-N", "2",
+                          "sleep", "120", hosts=2, preexec_fn=default_stop_signals) as (
+            launcher, run, mark):
+        deadline = time.monotonic() + 120
+        while marked_commands(mark).count("sleep") < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+        running = marked_commands(mark)
+        assert running.count("sleep") == 2 and "slurmd" in running, running
+        if stop == "Ctrl-C":
+            launcher.send_signal(signal.SIGINT)
+            assert launcher.wait(timeout=60) == 130
+        else:
+            launcher.kill()
+            launcher.wait(timeout=30)
+            assert "slurmctld" in marked_commands(mark)  # left for --cleanup
+            done = run_cli("--cleanup")
+            assert done.returncode == 0 and run in done.stdout, done.stdout
+    assert_left_nothing(run, mark, links)
 
 
 @pytest.mark.timeout(60)
