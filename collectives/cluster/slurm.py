@@ -147,8 +147,12 @@ class Slurm:
 
     def _daemon(self, name: str, argv: List[str]) -> None:
         """Start a daemon (it forks into the background and returns at once)."""
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
-                              start_new_session=True)
+        try:
+            done = subprocess.run(argv, capture_output=True, text=True, timeout=60,
+                                  start_new_session=True)
+        except subprocess.TimeoutExpired:
+            raise ClusterError(f"{name} did not start within 60 s"
+                               f"{self._log_tail(name.split()[0])}") from None
         if done.returncode != 0:
             raise ClusterError(f"{name} did not start: {done.stderr.strip() or done.stdout.strip()}"
                                f"{self._log_tail(name.split()[0])}")
@@ -160,8 +164,12 @@ class Slurm:
         deadline = time.monotonic() + READY_SECONDS
         states: Dict[str, str] = {}
         while time.monotonic() < deadline:
-            done = subprocess.run(self.network.enter(0) + ["sinfo", "-h", "-N", "-o", "%N %T"],
-                                  capture_output=True, text=True, env=env, timeout=30)
+            try:
+                done = subprocess.run(self.network.enter(0) + ["sinfo", "-h", "-N", "-o",
+                                                               "%N %T"],
+                                      capture_output=True, text=True, env=env, timeout=30)
+            except subprocess.TimeoutExpired:
+                continue  # the controller is slow to answer: ask again until the deadline
             states = dict(line.split()[:2] for line in done.stdout.splitlines()
                           if len(line.split()) >= 2)
             if all(states.get(name) == "idle" for name in names):
