@@ -100,12 +100,27 @@ def check_horovod_collectives(comm):
     splits = torch.tensor([peer + 1 for peer in range(size)], dtype=torch.int32)
     sent = torch.cat([torch.full((peer + 1, 2), float(100 * rank + peer))
                       for peer in range(size)]).requires_grad_()
-    received = hvd.alltoall(sent, splits)
+    received, counts = hvd.alltoall(sent, splits)  # with splits: (rows, received splits)
     expected = torch.cat([torch.full((rank + 1, 2), float(100 * peer + rank))
                           for peer in range(size)])
     _close(received, expected, "alltoall")
+    assert counts.dtype == torch.int32 and counts.tolist() == [rank + 1] * size, counts
     (received * 2).sum().backward()
     _close(sent.grad, torch.full_like(sent, 2.0), "alltoall grad")
+    equal = torch.arange(float(2 * size)).view(size, 2) + 10 * rank
+    alone = hvd.alltoall(equal)  # without splits: the tensor alone
+    _close(alone, torch.stack([torch.arange(2.0) + 2 * rank + 10 * peer
+                               for peer in range(size)]), "alltoall equal parts")
+    out, counts = hvd.synchronize(hvd.alltoall_async(equal))  # async: both, always
+    _close(out, alone, "alltoall_async")
+    assert counts.tolist() == [1] * size, counts
+    # splits summing to less than the first dimension: the rows past them stay here,
+    # and get a zero gradient
+    longer = torch.ones(size + 2, requires_grad=True)
+    out, counts = hvd.alltoall(longer, [1] * size)  # a list is taken as int32
+    assert out.shape == (size,) and counts.tolist() == [1] * size, (out, counts)
+    out.sum().backward()
+    _close(longer.grad, torch.tensor([1.0] * size + [0.0, 0.0]), "alltoall short splits grad")
     for bad in (torch.tensor([1] * size, dtype=torch.int64),
                 torch.tensor([100] * size, dtype=torch.int32)):
         try:

@@ -210,10 +210,12 @@ def _broadcast_run(tensor: torch.Tensor, root_rank: int):
 
 
 def _alltoall_run(tensor: torch.Tensor, splits: List[int]):
+    """Send splits[p] rows to rank p (rows past their sum stay here, as in Horovod);
+    the result: (rows received, concatenated in rank order; how many from each rank)."""
     def run(metas, comm):
         received = [metas[peer].splits[comm.rank] for peer in range(comm.world_size)]
         rest = tuple(tensor.shape[1:])
-        inputs = list(torch.split(tensor.contiguous(), splits))
+        inputs = list(torch.split(tensor.contiguous()[:sum(splits)], splits))
         outputs = [tensor.new_empty((count,) + rest) for count in received]
         api.all_to_all(outputs, [i.contiguous() for i in inputs], comm=comm)
         return torch.cat(outputs), received
@@ -391,16 +393,26 @@ class _GroupedAllgather(torch.autograd.Function):
 
 
 class _Alltoall(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, tensor, splits, name):
-        out, received = synchronize(_submit_alltoall(tensor.detach(), splits, name))
-        ctx.received = received
-        return out
+    """Returns the rows received, and (when splits were given, as Horovod returns
+    them) how many came from each rank, an int32 tensor that has no gradient."""
 
     @staticmethod
-    def backward(ctx, grad):
+    def forward(ctx, tensor, splits, name, with_splits):
+        out, received = synchronize(_submit_alltoall(tensor.detach(), splits, name))
+        ctx.received, ctx.rows = received, tensor.shape[0]
+        if not with_splits:
+            return out
+        received = torch.tensor(received, dtype=torch.int32)
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx, grad, *_no_gradient_for_splits):
         back, _ = synchronize(_submit_alltoall(grad.contiguous(), ctx.received, None))
-        return back, None, None
+        if back.shape[0] < ctx.rows:  # rows past the splits' sum were not sent
+            back = torch.cat([back, back.new_zeros((ctx.rows - back.shape[0],)
+                                                   + tuple(back.shape[1:]))])
+        return back, None, None, None
 
 
 class _Reducescatter(torch.autograd.Function):
@@ -538,34 +550,44 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
 
 def _check_splits(tensor: torch.Tensor, splits) -> List[int]:
-    """Horovod's alltoall splits: int32, one per rank, summing to the first dimension."""
+    """Horovod's alltoall splits: None (or empty) for equal parts; else int32 (a list is
+    taken as int32), one count per rank, summing to at most the first dimension (rows
+    past the sum are not sent)."""
     size = get_comm().world_size
     first = tensor.shape[0] if tensor.dim() else 1
-    if splits is None:
+    if splits is not None and not isinstance(splits, torch.Tensor):
+        splits = torch.tensor(list(splits), dtype=torch.int32)
+    if splits is None or splits.numel() == 0:
         if first % size:
             raise ValueError(f"alltoall: the first dimension ({first}) is not divisible by "
                              f"the number of ranks ({size}); pass splits")
         return [first // size] * size
-    if not isinstance(splits, torch.Tensor) or splits.dtype != torch.int32:
-        raise ValueError("alltoall: splits must be a torch.int32 tensor")
+    if splits.dtype != torch.int32 or splits.dim() != 1:
+        raise ValueError(f"alltoall: splits must be a 1-D torch.int32 tensor, got "
+                         f"{splits.dtype} of shape {tuple(splits.shape)}")
     values = splits.tolist()
-    if len(values) != size or any(v < 0 for v in values) or sum(values) != first:
+    if len(values) != size or any(v < 0 for v in values) or sum(values) > first:
         raise ValueError(f"alltoall: splits {values} must hold {size} non-negative counts "
-                         f"that sum to the first dimension ({first})")
+                         f"that sum to at most the first dimension ({first})")
     return values
 
 
 def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
-    """Send splits[p] rows of `tensor` to rank p (equal parts by default); returns the
-    rows received from every rank, concatenated in rank order."""
+    """Send splits[p] rows of `tensor` to rank p (equal parts by default). Returns the
+    rows received from every rank, concatenated in rank order; when splits are given,
+    as current Horovod, (those rows, an int32 tensor of how many came from each rank).
+    Differentiable: the gradient is the alltoall back."""
     _global_only(process_set)
-    return _Alltoall.apply(tensor, _check_splits(tensor, splits), name)
+    return _Alltoall.apply(tensor, _check_splits(tensor, splits), name, splits is not None)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
+    """Start an alltoall; synchronize(handle) returns (rows received, received splits)
+    with or without splits, as Horovod's does."""
     _global_only(process_set)
     return _submit_alltoall(tensor.detach(), _check_splits(tensor, splits), name,
-                            then=lambda result: result[0])
+                            then=lambda result: (result[0], torch.tensor(result[1],
+                                                                         dtype=torch.int32)))
 
 
 def reducescatter(tensor, op=Average, name=None, process_set=global_process_set,
