@@ -21,7 +21,7 @@ from ..world import get_comm
 from ..bucketer import Bucketer
 from .ops import (Adasum, Average, Sum, _submit_allreduce, allgather, broadcast_async_,
                   engine, global_process_set, sparse_allreduce_async, synchronize)
-from .process_sets import scope
+from .process_sets import ProcessSet, scope
 
 
 # --- compression, as Horovod's: compress(t) -> (t, ctx); decompress(t, ctx) -> t ---------
@@ -193,8 +193,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     comm = get_comm()
     engine()  # made here, on every rank alike, if hvd.init() has not made it
-    where = scope(process_set) if process_set.included() or \
-        process_set.process_set_id is None else None  # (scope() says what is wrong)
+    outside = isinstance(process_set, ProcessSet) and \
+        process_set.process_set_id is not None and not process_set.included()
+    where = None if outside else scope(process_set)  # (scope() says what is wrong, if any)
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
     if op == Average and where is not None:  # divide (at least partly) first: a float16
