@@ -93,8 +93,7 @@ def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
     table[comm.rank] = torch.tensor(row, dtype=torch.int64)
     # Each rank fills its own row and the rows are summed: an all-gather. The message is
     # tiny, so it takes auto's small-message algorithm (gloo's own costs ~7 ms at 4 ranks).
-    algorithm = algorithms.AUTO_CHOICE["all_reduce"](table.numel() * 8, comm.world_size,
-                                                     comm.name, comm.topology)
+    algorithm = _auto("all_reduce", table.numel() * 8, comm)
     try:
         algorithms.ALL_REDUCE[algorithm](comm, table.view(-1), "sum")
     except PeerError as error:
@@ -147,13 +146,31 @@ def _run_reduction(comm: Transport, function, flat: torch.Tensor, op: str, *args
     algorithms.average(flat, comm.world_size, sum_in_place)
 
 
+# What `auto` takes instead of "native" on a communicator without native collectives
+# (some ranks of another, transport/group.py): built from point-to-point messages.
+WITHOUT_NATIVE = {"all_reduce": "tree", "broadcast": "tree", "reduce_scatter": "ring",
+                  "all_gather": "ring"}
+
+
+def _auto(collective: str, nbytes: int, comm: Transport) -> str:
+    """auto's choice for `collective` of `nbytes` on `comm` (algorithms/auto.py)."""
+    chosen = algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
+                                                comm.topology)
+    if chosen == "native" and not comm.native_collectives:
+        return WITHOUT_NATIVE[collective]
+    return chosen
+
+
 def _pick(collective: str, algorithm: str, tensor: torch.Tensor, comm: Transport) -> str:
     _check_choice(algorithm, algorithms.names(collective), "algorithm")
+    if algorithm == "native" and not comm.native_collectives:
+        raise ValueError(f"{collective}: algorithm 'native' needs the backend's own "
+                         f"collectives, which {type(comm).__name__} has not (some ranks of "
+                         "a communicator); use 'auto' or an algorithm built from "
+                         "point-to-point")
     if algorithm != "auto":
         return algorithm
-    nbytes = tensor.numel() * tensor.element_size()
-    return algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
-                                              comm.topology)
+    return _auto(collective, tensor.numel() * tensor.element_size(), comm)
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",

@@ -250,3 +250,32 @@ if __name__ == "__main__":
     assert results[0] == first[0] and results[1] == first[1] and results[3] == first[3], \
         "ranks differ"
     sys.stdout.write(f"rank {comm.rank} ({comm.name}): {sum(map(len, results))} checks ok\n")
+
+
+def check_public_calls_on_a_group(comm):
+    """The public calls on some ranks of the world (transport/group.py: no native
+    collectives): `auto` picks algorithms built from point-to-point where it would pick
+    the backend's own, and asking for "native" there is a clear error. Ranks 0 and the
+    last form the group; the others take no part."""
+    from collectives import api
+    from collectives.transport.group import Group
+    members = [0, comm.world_size - 1]
+    if comm.rank not in members:
+        return None
+    group = Group(comm, members)
+    me = group.rank
+    small = torch.full((5,), float(comm.rank + 1))  # auto: native for gloo at 2 ranks
+    api.all_reduce(small, op="sum", comm=group)
+    assert torch.equal(small, torch.full((5,), float(comm.world_size + 1))), small
+    value = torch.full((3,), float(comm.rank))
+    api.broadcast(value, src=1, comm=group)  # auto: always native elsewhere
+    assert torch.equal(value, torch.full((3,), float(members[1]))), value
+    gathered = torch.empty(4)
+    api.all_gather(gathered, torch.full((2,), float(me)), comm=group)
+    assert gathered.tolist() == [0.0, 0.0, 1.0, 1.0], gathered
+    try:
+        api.all_reduce(small, algorithm="native", comm=group)
+        raise AssertionError("native on a group was accepted")
+    except ValueError as error:
+        assert "native" in str(error), error
+    return small.tolist()

@@ -100,12 +100,27 @@ def check_horovod_collectives(comm):
     splits = torch.tensor([peer + 1 for peer in range(size)], dtype=torch.int32)
     sent = torch.cat([torch.full((peer + 1, 2), float(100 * rank + peer))
                       for peer in range(size)]).requires_grad_()
-    received = hvd.alltoall(sent, splits)
+    received, counts = hvd.alltoall(sent, splits)  # with splits: (rows, received splits)
     expected = torch.cat([torch.full((rank + 1, 2), float(100 * peer + rank))
                           for peer in range(size)])
     _close(received, expected, "alltoall")
+    assert counts.dtype == torch.int32 and counts.tolist() == [rank + 1] * size, counts
     (received * 2).sum().backward()
     _close(sent.grad, torch.full_like(sent, 2.0), "alltoall grad")
+    equal = torch.arange(float(2 * size)).view(size, 2) + 10 * rank
+    alone = hvd.alltoall(equal)  # without splits: the tensor alone
+    _close(alone, torch.stack([torch.arange(2.0) + 2 * rank + 10 * peer
+                               for peer in range(size)]), "alltoall equal parts")
+    out, counts = hvd.synchronize(hvd.alltoall_async(equal))  # async: both, always
+    _close(out, alone, "alltoall_async")
+    assert counts.tolist() == [1] * size, counts
+    # splits summing to less than the first dimension: the rows past them stay here,
+    # and get a zero gradient
+    longer = torch.ones(size + 2, requires_grad=True)
+    out, counts = hvd.alltoall(longer, [1] * size)  # a list is taken as int32
+    assert out.shape == (size,) and counts.tolist() == [1] * size, (out, counts)
+    out.sum().backward()
+    _close(longer.grad, torch.tensor([1.0] * size + [0.0, 0.0]), "alltoall short splits grad")
     for bad in (torch.tensor([1] * size, dtype=torch.int64),
                 torch.tensor([100] * size, dtype=torch.int32)):
         try:
@@ -454,6 +469,188 @@ def check_horovod_optimizer_rules(comm):
     return float(net.weight.sum())
 
 
+def check_horovod_process_sets(comm):
+    """Process sets (3 ranks or more): evens [0, 2, ..] given to init(), odds added
+    after, and two sets that share rank 1; every collective and its gradient inside a
+    set, names scoped per set, unnamed calls numbered per set, DistributedOptimizer
+    and broadcast_object over a set, clear errors for a rank outside a set, a
+    duplicate set, a removed set, and a name one rank of a set submits alone."""
+    from collectives.horovod.ops import engine
+    size = comm.world_size
+    assert size >= 3, "needs a set of two ranks and one of one"
+    evens = hvd.ProcessSet(range(0, size, 2))
+    hvd.init(process_sets=[evens])
+    hvd.init(process_sets=[evens])  # again: harmless, the set keeps its id
+    rank = hvd.rank()
+    odds = hvd.add_process_set(list(range(1, size, 2)))
+    assert (evens.process_set_id, odds.process_set_id) == (1, 2), (evens, odds)
+    mine, other = (evens, odds) if rank % 2 == 0 else (odds, evens)
+    assert mine.included() and not other.included() and mine.size() == len(mine.ranks)
+    assert mine.rank() == mine.ranks.index(rank) and hvd.global_process_set.rank() == rank
+    assert hvd.global_process_set.size() == size and hvd.global_process_set.included()
+    for wrong in (lambda: other.rank(), lambda: hvd.allreduce(torch.ones(1), process_set=other),
+                  lambda: hvd.add_process_set(list(range(0, size, 2))),  # a duplicate
+                  lambda: hvd.add_process_set([0, size]),                # not a rank
+                  lambda: hvd.broadcast(torch.ones(1), other.ranks[0], process_set=mine)):
+        try:
+            wrong()
+            raise AssertionError("accepted: a rank outside a set, a duplicate set, a rank "
+                                 "beyond the world, or a root outside the set")
+        except ValueError:
+            pass
+
+    members, me = mine.ranks, mine.rank()
+    # allreduce, under a name the other set uses at the same time: names are per set
+    summed = hvd.allreduce(torch.full((4,), float(rank + 1)), op=hvd.Sum, name="x",
+                           process_set=mine)
+    _close(summed, torch.full((4,), float(sum(r + 1 for r in members))), "set allreduce")
+    averaged = hvd.grouped_allreduce([torch.full((2,), float(rank)), torch.ones(3)],
+                                     process_set=mine)
+    _close(averaged[0], torch.full((2,), sum(members) / len(members)), "set grouped")
+    # allgather with uneven rows and its gradient, averaged over the set's ranks
+    rows = torch.full((rank + 1, 2), float(rank), requires_grad=True)
+    gathered = hvd.allgather(rows, process_set=mine)
+    _close(gathered, torch.cat([torch.full((r + 1, 2), float(r)) for r in members]),
+           "set allgather")
+    (gathered * (1 + torch.arange(float(gathered.shape[0]))[:, None])).sum().backward()
+    start = sum(r + 1 for r in members[:me])
+    _close(rows.grad, (1 + torch.arange(float(start), float(start + rank + 1)))[:, None]
+           .expand(rank + 1, 2), "set allgather grad")
+    # broadcast from the set's last rank (a global rank), and its gradient on the root
+    leaf = torch.ones(3, requires_grad=True)
+    out = hvd.broadcast(leaf * (rank + 1), root_rank=members[-1], process_set=mine)
+    _close(out, torch.full((3,), float(members[-1] + 1)), "set broadcast")
+    out.sum().backward()
+    _close(leaf.grad, torch.full((3,), float(rank + 1 if rank == members[-1] else 0)),
+           "set broadcast grad")
+    # alltoall with splits (one row more to each next member) and received splits
+    splits = [peer + 1 for peer in range(len(members))]
+    sent = torch.cat([torch.full((n, 2), float(10 * rank + peer))
+                      for peer, n in enumerate(splits)]).requires_grad_()
+    received, counts = hvd.alltoall(sent, splits, process_set=mine)
+    assert counts.tolist() == [me + 1] * len(members), counts
+    _close(received, torch.cat([torch.full((me + 1, 2), float(10 * r + me)) for r in members]),
+           "set alltoall")
+    received.sum().backward()
+    _close(sent.grad, torch.ones_like(sent), "set alltoall grad")
+    # reducescatter: the set's ranks share the first dimension
+    full = torch.arange(float(2 * len(members))).view(len(members), 2) * (rank + 1)
+    part = hvd.reducescatter(full, op=hvd.Sum, process_set=mine)
+    _close(part, full[me:me + 1] / (rank + 1) * sum(r + 1 for r in members), "set reducescatter")
+    parts = hvd.grouped_reducescatter([full, full * 2], op=hvd.Sum, process_set=mine)
+    _close(parts[1], part * 2, "set grouped reducescatter")
+    hvd.barrier(process_set=mine)
+    # sparse allreduce within the set equals the dense one
+    dense = torch.zeros(6, 3)
+    dense[rank % 6, rank % 3] = float(rank + 1)
+    sparse = hvd.sparse_allreduce_async(dense.to_sparse(), "emb", hvd.Sum, process_set=mine)()
+    _close(sparse.to_dense(), hvd.allreduce(dense, op=hvd.Sum, process_set=mine),
+           "set sparse allreduce")
+    obj = hvd.broadcast_object({"from": rank}, root_rank=members[0], process_set=mine)
+    assert obj == {"from": members[0]}, obj
+
+    # unnamed calls are numbered per set: a different number of them in each set, then
+    # an unnamed global allreduce still matches on every rank
+    for _ in range(1 + rank % 2):
+        hvd.allreduce(torch.ones(1), process_set=mine)
+    _close(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)),
+           "unnamed global allreduce after unnamed set ones")
+
+    # two sets that share rank 1, submitted in opposite orders on rank 1 and the others
+    left, right = hvd.add_process_set([0, 1]), hvd.add_process_set([1, 2])
+    sets = [s for s in (left, right) if s.included()]
+    handles = {s.process_set_id: hvd.allreduce_async(torch.full((2,), float(rank)), op=hvd.Sum,
+                                                     name="shared", process_set=s)
+               for s in (reversed(sets) if rank == 1 else sets)}
+    for s in sets:
+        _close(hvd.synchronize(handles[s.process_set_id]),
+               torch.full((2,), float(sum(s.ranks))), f"overlapping set {s.ranks}")
+
+    # DistributedOptimizer over the evens: they end alike; the odds step alone
+    torch.manual_seed(0)
+    net = nn.Linear(3, 1)
+    optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                                         named_parameters=net.named_parameters(),
+                                         process_set=evens)
+    before = net.weight.detach().clone()
+    net(torch.ones(2, 3) * (rank + 1)).sum().backward()
+    optimizer.step()
+    grads = [2.0 * (r + 1) for r in (evens.ranks if rank % 2 == 0 else [rank])]
+    _close(net.weight.detach(), before - 0.1 * sum(grads) / len(grads) * torch.ones(1, 3),
+           "optimizer over a set")
+
+    # a name one rank of the evens submits alone: a stall error naming the other
+    each = engine()
+    hvd.barrier()
+    if rank == 0:
+        limits = each.inspector.warn_after, each.inspector.fail_after
+        each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
+    key = "allreduce.alone in process set 1"
+    if rank == 0:
+        try:
+            hvd.allreduce(torch.ones(1), name="alone", process_set=evens)
+            raise AssertionError("an allreduce one rank of a set submitted ran")
+        except hvd.HorovodInternalError as error:
+            assert "stalled" in str(error) and f"rank(s) {evens.ranks[1:]}" in str(error), error
+    else:
+        deadline = time.monotonic() + 30
+        while key not in each.table.entries and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while key in each.table.entries and time.monotonic() < deadline:
+            time.sleep(0.02)
+    if rank == 0:
+        each.inspector.warn_after, each.inspector.fail_after = limits
+    hvd.barrier()
+
+    # removing: the objects lose their ids, a second removal does nothing
+    assert all(hvd.remove_process_set(s) for s in (left, right, odds))
+    assert odds.process_set_id is None and odds.size() is None
+    assert not hvd.remove_process_set(odds) and not hvd.remove_process_set(hvd.global_process_set)
+    try:
+        hvd.allreduce(torch.ones(1), process_set=odds)
+        raise AssertionError("a collective in a removed set was accepted")
+    except ValueError:
+        pass
+    again = hvd.add_process_set(list(range(1, size, 2)))  # its ranks are free again
+    assert again.process_set_id == 5, again
+    hvd.remove_process_set(again)
+    return float(hvd.allreduce(summed, op=hvd.Sum).sum())
+
+
+def check_horovod_join_stalls(comm):
+    """join() fails, as a stalled collective does, once it has waited the stall timeout
+    with no other rank joining and nothing running, naming the ranks that did not
+    join; the next join() then works."""
+    from collectives.horovod.ops import engine
+    hvd.init()
+    rank, size = hvd.rank(), hvd.size()
+    each = engine()
+    hvd.barrier()
+    if rank == 0:
+        limits = each.inspector.warn_after, each.inspector.fail_after
+        each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
+    if rank == size - 1:
+        started = time.monotonic()
+        try:
+            hvd.join()
+            raise AssertionError("join() returned while the other ranks had not joined")
+        except hvd.HorovodInternalError as error:
+            assert f"rank(s) {list(range(size - 1))} did not join" in str(error), error
+        waited = time.monotonic() - started
+        assert 1.4 < waited < 20, f"join's stall error came after {waited:.1f} s"
+    else:  # not in a collective (it would stall too): wait until the join has failed
+        deadline = time.monotonic() + 30
+        while not each.table.joined and time.monotonic() < deadline:
+            time.sleep(0.02)
+        while each.table.joined and time.monotonic() < deadline:
+            time.sleep(0.02)
+    if rank == 0:
+        each.inspector.warn_after, each.inspector.fail_after = limits
+        assert "waited in join()" in each.inspector.reports[-1], each.inspector.reports
+    hvd.barrier()
+    return hvd.join()
+
+
 def check_horovod_face(comm):
     """Every Horovod check above, one after another in one world."""
     return (check_horovod_collectives(comm), check_horovod_join(comm),
@@ -602,6 +799,7 @@ if __name__ == "__main__":
         sys.exit(peer_exit())
     # under mpirun, on the mpi backend; then the last rank ends
     comm = collectives.init(backend="mpi", timeout=PEER_EXIT_TIMEOUT)
-    results = [*check_horovod_face(comm), ddp_join_digest(comm)]
+    results = [*check_horovod_face(comm), check_horovod_process_sets(comm),
+               check_horovod_join_stalls(comm), ddp_join_digest(comm)]
     sys.stdout.write(f"rank {comm.rank} results {results!r}\n")
     sys.exit(peer_exit())

@@ -6,7 +6,8 @@ Ranks of one host talk through shared memory by default; the gloo-over-TCP path
 import pytest
 
 from checks_algorithms import (check_all_reduce, check_broadcast_gather_scatter,
-                               check_near_limits, check_product, check_ring_segments)
+                               check_near_limits, check_product,
+                               check_public_calls_on_a_group, check_ring_segments)
 from distributed import run_world
 
 
@@ -27,3 +28,10 @@ def test_every_algorithm_matches_numpy_and_ranks_agree_bitwise(world_size, shm):
         assert segments == results[0][1], f"rank {rank} differs from rank 0 (segmented ring)"
         assert product == results[0][3], f"rank {rank} differs from rank 0 (product)"
         assert limits == results[0][4], f"rank {rank} differs from rank 0 (near limits)"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", [None, "off"])
+def test_the_public_calls_on_some_ranks_take_point_to_point_algorithms(shm):
+    results = run_world(check_public_calls_on_a_group, 3, timeout=100, shm=shm)
+    assert results[0] == results[2] == [4.0] * 5 and results[1] is None, results

@@ -37,6 +37,24 @@ def test_horovod_face_has_horovods_semantics(world_size):
     assert results[0] == results[2] == world_size - 1  # join() named the last rank
 
 
+@pytest.mark.timeout(200)
+def test_horovod_process_sets():
+    """A set of two ranks and one of one, and two sets sharing a rank: every collective
+    and its gradient inside a set, DistributedOptimizer over a set, names and unnamed
+    calls per set, and the errors (a rank outside the set, a duplicate or removed set,
+    a name one rank of a set submits alone) on 3 ranks."""
+    # each set's allreduce of 4 elements (evens: 1 + 3, odds: 2), then summed globally
+    assert same_everywhere(run_world(checks.check_horovod_process_sets, 3, timeout=180)) \
+        == 4 * ((1 + 3) * 2 + 2)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_horovod_join_fails_at_the_stall_timeout_then_works(world_size):
+    assert run_world(checks.check_horovod_join_stalls, world_size, timeout=100) == \
+        [world_size - 1] * world_size
+
+
 def _seconds_to_notice_an_exit(output: str) -> list:
     """From checks_faces.peer_exit's lines: how long each surviving rank took."""
     return [float(line.split(" noticed the exit in ")[1].split(" s")[0])
@@ -203,3 +221,53 @@ def test_negotiation_shutdown_of_one_rank_reaches_every_rank():
     outcome = Table(2).apply([Message([("allreduce.x", _meta())]), Message(shutdown=True)],
                              now=0.0)
     assert outcome.shutdown_by == 1 and not outcome.ready
+
+
+def test_negotiation_scopes_names_per_process_set():
+    from collectives.horovod.negotiation import Message, Meta, Table, scoped
+    table = Table(3)
+    add = ("add_process_set.noname.1", Meta("add_process_set", members=(0, 2)))
+    outcome = table.apply([Message([add]), Message([add]), Message([add])], now=0.0)
+    assert [name for name, _ in outcome.ready] == [add[0]] and table.sets[1] == (0, 2)
+    in_set = scoped("allreduce.x", 1)
+    set_meta = Meta.of("allreduce", [torch.zeros(3)], op="sum", process_set=1)
+    # rank 0 submits allreduce.x in set 1, rank 1 the global allreduce.x: two names
+    outcome = table.apply([Message([(in_set, set_meta)]), Message([("allreduce.x", _meta())]),
+                           Message()], now=1.0)
+    assert not outcome.ready and table.missing(table.entries[in_set]) == [2]
+    assert table.missing(table.entries["allreduce.x"]) == [0, 2]
+    outcome = table.apply([Message(), Message(), Message([(in_set, set_meta)])], now=2.0)
+    assert [name for name, _ in outcome.ready] == [in_set]  # rank 1 is not needed
+    # the same ranks again: refused on every rank; removing frees them
+    again = ("add_process_set.noname.2", Meta("add_process_set", members=(0, 2)))
+    outcome = table.apply([Message([again])] * 3, now=3.0)
+    assert "exists already" in outcome.errors[0][2] and table._next_set == 2
+    gone = ("remove_process_set.noname.3", Meta("remove_process_set", members=(0, 2)))
+    late = (scoped("allgather.y", 1), Meta.of("allgather", [torch.zeros(2)], process_set=1))
+    table.apply([Message([late]), Message(), Message()], now=4.0)
+    outcome = table.apply([Message([gone])] * 3, now=5.0)
+    assert 1 not in table.sets and [name for name, _ in outcome.ready] == [gone[0]]
+    # a name left waiting in a removed set fails on its callers
+    outcome = table.apply([Message()] * 3, now=6.0)
+    [(name, ranks, why)] = outcome.errors
+    assert name == late[0] and ranks == {0} and "removed" in why, why
+
+
+def test_negotiation_join_fails_when_nothing_moves_for_the_stall_timeout():
+    from collectives.horovod.negotiation import Message, StallInspector, Table
+    table, warnings = Table(3), []
+    inspector = StallInspector(warn_after=1.0, fail_after=10.0, report=warnings.append)
+    table.apply([Message(), Message(), Message(join=True)], now=0.0)
+    # rank 0 and 1 still run allreduces (rank 2 adds zeros): that is progress
+    outcome = table.apply([Message([("allreduce.a", _meta())]),
+                           Message([("allreduce.a", _meta())]), Message()], now=8.0)
+    assert outcome.ready and not inspector.join_stalled(table, now=12.0)
+    assert "rank(s) [2] have waited in join()" in warnings[0]
+    assert inspector.join_stalled(table, now=18.5)
+    # an expiry decided while a rank joins in the same cycle is moot
+    moot = table.apply([Message(join_expired=True), Message(join=True), Message()], now=18.5)
+    assert moot.join_failed is None and table.joined == {1, 2}
+    failed = table.apply([Message(join_expired=True), Message(), Message()], now=40.0,
+                         stall_timeout=10.0)
+    ranks, why = failed.join_failed
+    assert ranks == {1, 2} and "rank(s) [0] did not join" in why and not table.joined, why

@@ -10,6 +10,10 @@ A Horovod training script runs with that one import changed. Underneath:
       in-place _ and grouped_)        arguments is an error on every rank; the
                                       synchronous forms are differentiable (ops.py)
     hvd.sparse_allreduce_async        an allgather of indices and one of values
+    hvd.add_process_set /             some ranks that run collectives among themselves
+      remove_process_set,               (process_set= on every collective): names
+      hvd.ProcessSet                    negotiated per set, run on a group of its ranks
+                                        (process_sets.py)
     hvd.join()                        stand in for the others' allreduces with zeros
     hvd.DistributedOptimizer          the Bucketer of our DDP, each bucket an allreduce
                                       named after its parameters (optimizer.py)
@@ -21,8 +25,8 @@ A Horovod training script runs with that one import changed. Underneath:
 
 Differences from Horovod: CPU tensors only; see docs/faces.md.
 
-Not provided (each raises NotImplementedError): Adasum, process sets other than the
-global one, SyncBatchNorm, the timeline, elastic training; the TensorFlow / Keras /
+Not provided (each raises NotImplementedError): Adasum, process sets made from an MPI
+communicator, SyncBatchNorm, the timeline, elastic training; the TensorFlow / Keras /
 MXNet APIs are not here at all.
 """
 from __future__ import annotations
@@ -39,10 +43,12 @@ from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_
                   broadcast_async_, forget_engines, global_process_set, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                   grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
-                  join, poll, reducescatter, reducescatter_async,
-                  sparse_allreduce_async, synchronize)
+                  grouped_reducescatter_async, join, poll, reducescatter,
+                  reducescatter_async, sparse_allreduce_async, synchronize)
 from .ops import engine as _engine
 from .engine import HorovodInternalError
+from .process_sets import ProcessSet, add_process_set, remove_process_set
+from . import process_sets as _process_sets
 
 
 # --- the process ----------------------------------------------------------------------
@@ -50,10 +56,9 @@ def init(comm=None, process_sets=None, *, backend: str = "auto", timeout=None) -
     """Join the job. Calling it again is harmless, as in Horovod.
 
     comm: None, or mpi4py's COMM_WORLD (then the mpi backend is used).
-    process_sets: only None (the global set) is provided.
+    process_sets: hvd.ProcessSet objects to add (every rank passes the same list), or
+        "dynamic" or None: none now (hvd.add_process_set works either way here).
     """
-    if process_sets:
-        raise NotImplementedError("process sets are not provided; only the global one")
     if comm is not None:
         from mpi4py import MPI
         if comm != MPI.COMM_WORLD:
@@ -66,6 +71,7 @@ def init(comm=None, process_sets=None, *, backend: str = "auto", timeout=None) -
         else:
             world.init(backend=backend, timeout=timeout)
     _engine()  # every rank makes its engine here, at the same point
+    _process_sets.add_at_init(process_sets)
 
 
 def is_initialized() -> bool:
@@ -172,10 +178,6 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
 def stop_timeline() -> None:
     raise NotImplementedError("Horovod's timeline is not provided")
-
-
-def add_process_set(process_set) -> None:
-    raise NotImplementedError("process sets other than hvd.global_process_set are not provided")
 
 
 class SyncBatchNorm(torch.nn.Module):

@@ -29,6 +29,15 @@ theirs. A name is taken from submission until its handle is synchronized: a
 second submission under it is refused (ValueError), and whether it is never depends on
 timing.
 
+Process sets (process_sets.py): a collective submitted in set k is named within the
+set (its unnamed ones numbered per set), announced in the same cycles as the others,
+and, once every rank of set k has submitted it, run by those ranks on a group of them
+over the engine's communicator (transport/group.py); the other ranks pass it by.
+
+join() waits like any collective: rank 0's stall inspector fails it (naming the ranks
+that have not joined) once no rank has joined and nothing has run for the stall
+timeout.
+
 Ending: a rank that shuts down (hvd.shutdown(), or its process ending: the engine is
 stopped at exit, before the communicator closes, see launch/exit.py) says so in one
 last cycle, and every rank's engine stops with it: what was waiting there fails at once
@@ -59,7 +68,8 @@ import torch
 from .. import api
 from ..launch.exit import stop_at_exit
 from ..transport import PeerError, Transport
-from .negotiation import Message, Meta, Outcome, StallInspector, Table
+from ..transport.group import Group
+from .negotiation import Message, Meta, Outcome, StallInspector, Table, scoped
 
 log = logging.getLogger("collectives.horovod")
 
@@ -144,7 +154,7 @@ class Engine:
         self._lock = threading.Lock()
         self._wakeup = threading.Event()      # set by each submission
         self._handles = itertools.count(1)    # handle numbers
-        self._next_unnamed = 1                # the next <n> of allreduce.noname.<n>
+        self._next_unnamed: Dict[int, int] = {}  # process set -> its next <n> of noname.<n>
         self.handles: Dict[int, Handle] = {}
         self.names_in_flight: set = set()
         self._queued: List[Request] = []      # submitted, not yet announced
@@ -161,16 +171,17 @@ class Engine:
     def submit(self, kind: str, name: Optional[str], meta: Meta, run: Run,
                then: Optional[Callable[[Any], Any]] = None) -> int:
         """Queue a collective for negotiation under `kind.name` (`kind.noname.<n>`
-        without a name); return its handle number. synchronize() returns run's result,
-        or then(result)."""
+        without a name, n counting in meta's process set); return its handle number.
+        synchronize() returns run's result, or then(result)."""
         with self._lock:
             number = next(self._handles)
             if name is None:  # counted even if refused below, as Horovod counts
-                name = f"noname.{self._next_unnamed}"
-                self._next_unnamed += 1
+                count = self._next_unnamed.get(meta.process_set, 1)
+                self._next_unnamed[meta.process_set] = count + 1
+                name = f"noname.{count}"
             if self.stopped is not None:
                 raise HorovodInternalError(self.stopped)
-            full = f"{kind}.{name}"
+            full = scoped(f"{kind}.{name}", meta.process_set)
             if full in self.names_in_flight:
                 raise ValueError(f"an operation named {full!r} is already in flight: "
                                  "synchronize it before reusing the name")
@@ -258,7 +269,8 @@ class Engine:
                         "process ended); when one rank shuts down, every rank does")
                     return
                 self._carry_out(outcome)
-                if message or outcome.ready or outcome.errors or outcome.join_done is not None:
+                if message or outcome.ready or outcome.errors or outcome.join_done is not None \
+                        or outcome.join_failed is not None:
                     idle_cycles = 0
                     continue
                 idle_cycles = min(idle_cycles + 1, 20)
@@ -283,10 +295,12 @@ class Engine:
             if join:
                 self._join_announced = True
             shutdown = self._stopping
-        expired = []
-        if self.inspector is not None and self.table.entries:
-            expired = self.inspector.inspect(self.table, time.monotonic())
-        return Message([(r.name, r.meta) for r in new], join, shutdown, expired)
+        expired, join_expired = [], False
+        if self.inspector is not None and (self.table.entries or self.table.joined):
+            now = time.monotonic()
+            expired = self.inspector.inspect(self.table, now)
+            join_expired = self.inspector.join_stalled(self.table, now)
+        return Message([(r.name, r.meta) for r in new], join, shutdown, expired, join_expired)
 
     def _exchange(self, message: Message) -> List[Message]:
         """Every rank's message of this cycle, in rank order.
@@ -314,10 +328,11 @@ class Engine:
     def _count_unnamed(self, name: str) -> None:
         """An unnamed collective the others ran while this rank was joined counts here
         too: after join() this rank's next unnamed call gets the number theirs does."""
-        number = UNNAMED.fullmatch(name)
+        number = UNNAMED.fullmatch(name)  # (the global set's names only: join is global)
         if number is not None:
             with self._lock:
-                self._next_unnamed = max(self._next_unnamed, int(number.group(1)) + 1)
+                self._next_unnamed[0] = max(self._next_unnamed.get(0, 1),
+                                            int(number.group(1)) + 1)
 
     def _fail(self, outcome: Outcome) -> None:
         for name, _ranks, why in outcome.errors:
@@ -326,18 +341,30 @@ class Engine:
             if request is not None:
                 request.handle.fail(HorovodInternalError(why))
 
+    def _scope(self, process_set: int, metas: Dict[int, Meta]):
+        """Where a ready collective runs: the engine's communicator for the global set;
+        for another, the group of its ranks (every one of them submitted it), with the
+        Metas keyed by rank in the group."""
+        if process_set == 0:
+            return self.comm, metas
+        members = sorted(metas)
+        return Group(self.comm, members), {i: metas[r] for i, r in enumerate(members)}
+
     def _carry_out(self, outcome: Outcome) -> None:
         """Fail what failed, run what is ready (in the table's order), end join()."""
         self._fail(outcome)
         for name, metas in outcome.ready:
             with self._lock:
                 request = self._announced.pop(name, None)
-            if request is None:  # joined: this rank stands in
-                self.shadow(next(iter(metas.values())), self.comm)
-                self._count_unnamed(name)
-                continue
+            if request is None:
+                meta = next(iter(metas.values()))
+                if meta.process_set == 0:  # joined: this rank stands in
+                    self.shadow(meta, self.comm)
+                    self._count_unnamed(name)
+                continue  # (another set's: its ranks run it)
             try:
-                result = request.run(metas, self.comm)
+                comm, metas = self._scope(request.meta.process_set, metas)
+                result = request.run(metas, comm)
             except Exception as error:
                 # Peers may be inside this collective on the engine's communicator, or
                 # past it: this rank can no longer tell which message comes next (out
@@ -352,3 +379,8 @@ class Engine:
                 handle, self._join = self._join, None
             if handle is not None:
                 handle.finish(outcome.join_done)
+        if outcome.join_failed is not None and self.rank in outcome.join_failed[0]:
+            with self._lock:  # (a join() submitted since is not in the table yet)
+                handle, self._join = self._join, None
+            if handle is not None:
+                handle.fail(HorovodInternalError(outcome.join_failed[1]))

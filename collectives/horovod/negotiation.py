@@ -39,10 +39,22 @@ when some rank has something to say, one all-gather of the messages (a few hundr
 bytes per name). Horovod's coordinator instead gathers to rank 0, which answers with a
 broadcast; with every rank holding the table, nobody has to answer.
 
+Process sets (Horovod's): some ranks that run collectives among themselves. The table
+keeps them, `sets` (id -> ranks; 0 is every rank), and a name submitted in set k
+(`allreduce.x in process set k`, a name of its own beside `allreduce.x`) is ready once
+every rank of set k has announced it; the other ranks only keep it in their tables.
+Sets are added and removed by collectives of every rank (`add_process_set`,
+`remove_process_set`), applied here in the table's order, so every rank numbers them
+alike. Since every rank runs its ready names in the one order of the table, ranks in
+several sets never wait for each other in a cycle: whatever one rank runs first, every
+other member runs first too.
+
 The stall inspector (rank 0's, as Horovod's coordinator's): a name that some ranks
 announced and the rest have not, for longer than the warning time, is reported
 (which ranks miss which names); at the stall timeout the name is dropped and every rank
-that submitted it gets an error instead of waiting for ever.
+that submitted it gets an error instead of waiting for ever. join() has the same
+watch: a rank waiting in join() while no other rank joins and nothing runs, for the
+stall timeout, gets an error naming the ranks that have not joined.
 """
 from __future__ import annotations
 
@@ -51,7 +63,10 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
-KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier")
+KINDS = ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter", "barrier",
+         "add_process_set", "remove_process_set")
+# Changes to the table's process sets: collectives of every rank, `members` the set's ranks.
+SET_CHANGES = ("add_process_set", "remove_process_set")
 # The kinds a joined rank takes part in (with zeros, or by having nothing to do); any
 # other collective while a rank is joined is an error on the ranks that called it.
 RUN_WHILE_JOINED = ("allreduce", "barrier")
@@ -76,6 +91,8 @@ class Meta:
     postscale: float = 1.0
     algorithm: str = "auto"
     splits: Optional[Tuple[int, ...]] = None  # alltoall: rows this rank sends to each rank
+    process_set: int = 0                      # the process set it runs in (0: every rank)
+    members: Tuple[int, ...] = ()             # add/remove_process_set: the set's ranks
 
     @classmethod
     def of(cls, kind: str, tensors: Sequence[torch.Tensor] = (), **fields) -> "Meta":
@@ -97,7 +114,14 @@ class Meta:
             text += f", prescale {self.prescale:g}, postscale {self.postscale:g}"
         if self.algorithm != "auto":
             text += f", algorithm {self.algorithm}"
+        if self.members:
+            text += f" of ranks {list(self.members)}"
         return text
+
+
+def scoped(name: str, process_set: int) -> str:
+    """The table's name for `name` submitted in process set `process_set`."""
+    return name if process_set == 0 else f"{name} in process set {process_set}"
 
 
 def _same_shapes(kind: str, a: Meta, b: Meta) -> bool:
@@ -119,6 +143,7 @@ def differences(a: Meta, b: Meta) -> List[str]:
         "root": a.root == b.root,
         "scale factors": (a.prescale, a.postscale) == (b.prescale, b.postscale),
         "algorithm": a.algorithm == b.algorithm,
+        "ranks": a.members == b.members,
     }
     return [what for what, same in checks.items() if not same]
 
@@ -143,9 +168,11 @@ class Message:
     join: bool = False       # this rank has called join()
     shutdown: bool = False   # this rank is shutting down: every rank's engine stops
     expired: List[str] = field(default_factory=list)  # rank 0 only: stalled names to drop
+    join_expired: bool = False  # rank 0 only: join() stalled; fail it where it waits
 
     def __bool__(self) -> bool:
-        return bool(self.announced or self.join or self.shutdown or self.expired)
+        return bool(self.announced or self.join or self.shutdown or self.expired
+                    or self.join_expired)
 
 
 @dataclass
@@ -161,6 +188,7 @@ class Outcome:
     ready: List[Tuple[str, Dict[int, Meta]]] = field(default_factory=list)  # run these
     errors: List[Tuple[str, Set[int], str]] = field(default_factory=list)  # (name, ranks, why)
     join_done: Optional[int] = None      # every rank has joined: join() returns this rank
+    join_failed: Optional[Tuple[Set[int], str]] = None  # (the joined ranks, why): it stalled
     shutdown_by: Optional[int] = None    # the lowest rank that announced a shutdown
 
 
@@ -172,6 +200,11 @@ class Table:
         self.entries: Dict[str, Entry] = {}  # in the order names were first announced
         self.joined: Set[int] = set()
         self.last_joined: Optional[int] = None
+        self.join_progress = 0.0  # when a rank last joined, or something ran, while joined
+        # Process set id -> its ranks (0: every rank). Replaced, never changed in place,
+        # so that other threads may read it while the engine applies a cycle.
+        self.sets: Dict[int, Tuple[int, ...]] = {0: tuple(range(world_size))}
+        self._next_set = 1
 
     def apply(self, messages: List[Message], now: float,
               stall_timeout: float = 0.0) -> Outcome:
@@ -199,12 +232,18 @@ class Table:
             if self.missing(entry):
                 continue
             del self.entries[name]
-            kind = next(iter(entry.metas.values())).kind
-            absent = [r for r in range(self.world_size) if r not in entry.metas]
+            meta = next(iter(entry.metas.values()))
             why = disagreement(name, entry.metas)
-            if why is None and absent and kind not in RUN_WHILE_JOINED:
+            if why is None and meta.process_set not in self.sets:
+                why = (f"{name}: process set {meta.process_set} was removed before every "
+                       "rank of it submitted this")
+            absent = [r for r in range(self.world_size) if r not in entry.metas]
+            if why is None and meta.process_set == 0 and absent \
+                    and meta.kind not in RUN_WHILE_JOINED:
                 why = (f"{name}: rank(s) {absent} have called join(); while a rank is "
                        f"joined only allreduce can run, as in Horovod")
+            if why is None and meta.kind in SET_CHANGES:
+                why = self._change_sets(name, meta)
             if why is not None:
                 outcome.errors.append((name, set(entry.metas), why))
             else:
@@ -212,19 +251,55 @@ class Table:
         if len(self.joined) == self.world_size:
             outcome.join_done = self.last_joined
             self.joined = set()
+        elif self.joined and (newly_joined or outcome.ready):
+            self.join_progress = now  # (an expiry decided before this is moot)
+        elif self.joined and messages[0].join_expired:  # rank 0's inspector gave up
+            outcome.join_failed = (set(self.joined), self._join_stall_error(stall_timeout))
+            self.joined = set()
         return outcome
 
     def missing(self, entry: Entry) -> List[int]:
-        """The ranks `entry` still waits for: those that have neither announced it nor
-        joined. (A kind that joined ranks cannot take part in then fails, see apply.)"""
-        return [r for r in range(self.world_size)
-                if r not in entry.metas and r not in self.joined]
+        """The ranks `entry` still waits for: the ranks of its process set that have
+        neither announced it nor (for the global set) joined. (A kind that joined ranks
+        cannot take part in then fails, see apply; a removed set waits for nobody.)"""
+        process_set = next(iter(entry.metas.values())).process_set
+        joined = self.joined if process_set == 0 else ()
+        return [r for r in self.sets.get(process_set, ())
+                if r not in entry.metas and r not in joined]
+
+    def not_joined(self) -> List[int]:
+        return [r for r in range(self.world_size) if r not in self.joined]
+
+    def _change_sets(self, name: str, meta: Meta) -> Optional[str]:
+        """Add or remove a process set, as every rank agreed to (None), or say why not."""
+        found = [k for k, ranks in self.sets.items() if ranks == meta.members and k != 0]
+        if meta.kind == "add_process_set":
+            if found or meta.members == self.sets[0]:
+                return (f"{name}: a process set of ranks {list(meta.members)} exists "
+                        f"already (id {found[0] if found else 0})")
+            self.sets = {**self.sets, self._next_set: meta.members}
+            self._next_set += 1
+            return None
+        if not found:
+            return f"{name}: there is no process set of ranks {list(meta.members)} to remove"
+        self.sets = {k: ranks for k, ranks in self.sets.items() if k != found[0]}
+        return None
+
+    def set_id(self, members: Sequence[int]) -> Optional[int]:
+        """The id of the process set of exactly these ranks, if there is one."""
+        return next((k for k, ranks in self.sets.items() if ranks == tuple(members)), None)
 
     def _stall_error(self, name: str, entry: Entry, stall_timeout: float) -> str:
         missing = self.missing(entry)
         return (f"{name}: stalled: rank(s) {missing} did not submit it within "
                 f"{stall_timeout:g} s, while rank(s) {sorted(entry.metas)} did (ranks "
                 "submitting different names, or only some ranks submitting it)")
+
+    def _join_stall_error(self, stall_timeout: float) -> str:
+        return (f"join: stalled: rank(s) {self.not_joined()} did not join, and no "
+                f"collective ran, within {stall_timeout:g} s, while rank(s) "
+                f"{sorted(self.joined)} waited in join() (a rank that never calls join(), "
+                "or is stuck elsewhere)")
 
 
 class StallInspector:
@@ -240,7 +315,7 @@ class StallInspector:
         self.warn_after = warn_after
         self.fail_after = fail_after
         self.report = report  # called with the warning's text
-        self.last_warning = float("-inf")
+        self.last_warning = self.last_join_warning = float("-inf")
         self.reports: List[str] = []  # every warning given, for whoever wants to read them
 
     def inspect(self, table: Table, now: float) -> List[str]:
@@ -258,6 +333,22 @@ class StallInspector:
             self.reports.append(text)
             self.report(text)
         return expired
+
+    def join_stalled(self, table: Table, now: float) -> bool:
+        """Whether ranks have waited in join() past the stall timeout while no other
+        rank joined and nothing ran; warns, as inspect() does, after warn_after."""
+        if not table.joined:
+            return False
+        waited = now - table.join_progress
+        if (self.warn_after > 0 and waited > self.warn_after
+                and now - self.last_join_warning >= self.warn_after):
+            self.last_join_warning = now
+            text = (f"collectives.horovod: rank(s) {sorted(table.joined)} have waited in "
+                    f"join() for {waited:.0f} s while rank(s) {table.not_joined()} neither "
+                    f"joined nor ran a collective (it fails after {self.fail_after:g} s)")
+            self.reports.append(text)
+            self.report(text)
+        return waited > self.fail_after
 
     def warning(self, table: Table, late: Dict[str, Entry], now: float) -> str:
         by_rank: Dict[int, List[str]] = {}

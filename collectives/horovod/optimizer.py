@@ -21,6 +21,7 @@ from ..world import get_comm
 from ..bucketer import Bucketer
 from .ops import (Adasum, Average, Sum, _submit_allreduce, allgather, broadcast_async_,
                   engine, global_process_set, sparse_allreduce_async, synchronize)
+from .process_sets import ProcessSet, scope
 
 
 # --- compression, as Horovod's: compress(t) -> (t, ctx); decompress(t, ctx) -> t ---------
@@ -58,7 +59,8 @@ class Compression:
 # --- broadcasting state -------------------------------------------------------------------
 def broadcast_parameters(params, root_rank: int, process_set=global_process_set) -> None:
     """Broadcast a state_dict, a list of (name, tensor), or a list of tensors, from
-    root_rank, in place.
+    root_rank, in place (process_set: among its ranks only; Horovod's has no such
+    argument).
 
     One flat buffer per dtype (not one message per tensor), named after its first
     tensor (`broadcast.parameters.float32.fc.bias`), named tensors in name order.
@@ -126,18 +128,25 @@ def allgather_object(obj, name: Optional[str] = None, process_set=global_process
     return out
 
 
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int,
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model=None,
                               process_set=global_process_set) -> None:
     """Make every rank's optimizer state and options rank root_rank's.
 
     As Horovod does, an optimizer that has no state yet (never stepped) is first given
     it: zero gradients and one local step, so there is state for the root's to fill.
+    The zero gradients are sparse for SparseAdam, and for SGD on the parameters of
+    `model`'s sparse embeddings (model: Horovod's argument, only for that).
     """
     if not optimizer.state_dict()["state"]:
+        sparse = {id(p) for m in (model.modules() if model is not None else ())
+                  if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.requires_grad and param.grad is None:
                     param.grad = torch.zeros_like(param)
+                    if isinstance(optimizer, torch.optim.SparseAdam) or (
+                            isinstance(optimizer, torch.optim.SGD) and id(param) in sparse):
+                        param.grad = param.grad.to_sparse()
         getattr(optimizer, "_local_step", optimizer.step)()
     optimizer.load_state_dict(broadcast_object(optimizer.state_dict(), root_rank,
                                                process_set=process_set))
@@ -171,25 +180,28 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     `allreduce.noname.<group>.<index>`; `optimizer._parameter_names` maps each parameter
     to its name, as Horovod's does.
 
+    process_set: gradients are averaged over its ranks only; on a rank outside it the
+    optimizer steps on its own gradients, as in Horovod.
+
     Returns the same optimizer object (so LR schedulers and isinstance checks still work)
     with step() wrapped and synchronize() / skip_synchronize() added.
     """
     names = _parameter_names(optimizer, named_parameters)  # before init is needed
     if op == Adasum:
         raise NotImplementedError("Adasum is not provided; use hvd.Average or hvd.Sum")
-    if process_set is not global_process_set:
-        raise NotImplementedError("process sets other than hvd.global_process_set are not "
-                                  "provided")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
     comm = get_comm()
     engine()  # made here, on every rank alike, if hvd.init() has not made it
+    outside = isinstance(process_set, ProcessSet) and \
+        process_set.process_set_id is not None and not process_set.included()
+    where = None if outside else scope(process_set)  # (scope() says what is wrong, if any)
     params = [p for group in optimizer.param_groups for p in group["params"]]
 
-    if op == Average:  # divide (at least partly) first: a float16 sum must not overflow
+    if op == Average and where is not None:  # divide (at least partly) first: a float16
         prescale = 1.0 / gradient_predivide_factor if gradient_predivide_factor != 1.0 \
-            else 1.0 / comm.world_size
-        postscale = gradient_predivide_factor / comm.world_size \
+            else 1.0 / where.size                        # sum must not overflow
+        postscale = gradient_predivide_factor / where.size \
             if gradient_predivide_factor != 1.0 else 1.0
         reduce = "sum"
     else:
@@ -198,7 +210,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     def reduce_bucket(flat: torch.Tensor) -> None:
         name = bucket_names[flat.data_ptr()]
         sent, ctx = compression.compress(flat)
-        synchronize(_submit_allreduce([sent], reduce, prescale, postscale, name, algorithm))
+        synchronize(_submit_allreduce([sent], reduce, prescale, postscale, name, where,
+                                      algorithm))
         if sent is not flat:
             flat.copy_(compression.decompress(sent, ctx))
 
@@ -206,23 +219,27 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         if op not in (Average, Sum):
             raise NotImplementedError(f"sparse gradients are summed or averaged; op {op!r} "
                                       "needs sparse_as_dense=True")
-        return sparse_allreduce_async(grad, names[param], op)
+        return sparse_allreduce_async(grad, names[param], op, process_set)
 
     ids = {id(p): name for p, name in names.items()}
-    bucketer = Bucketer(params, reduce_bucket, comm, bucket_cap_mb=bucket_cap_mb,
-                        finish_after_backward=False, names=ids, unused="zeros",
-                        passes_per_sync=backward_passes_per_step,
-                        sparse_as_dense=sparse_as_dense or sparse,
-                        sparse_reduce=reduce_sparse)
-    bucket_names = {bucket.buffer.data_ptr(): f"bucket{bucket.index}.{ids[id(bucket.params[0])]}"
-                    for bucket in bucketer.buckets}
+    bucketer, bucket_names = None, {}
+    if where is not None:  # a rank outside the process set reduces nothing
+        bucketer = Bucketer(params, reduce_bucket, comm, bucket_cap_mb=bucket_cap_mb,
+                            finish_after_backward=False, names=ids, unused="zeros",
+                            passes_per_sync=backward_passes_per_step,
+                            sparse_as_dense=sparse_as_dense or sparse,
+                            sparse_reduce=reduce_sparse)
+        bucket_names = {bucket.buffer.data_ptr():
+                        f"bucket{bucket.index}.{ids[id(bucket.params[0])]}"
+                        for bucket in bucketer.buckets}
     local_step, local_zero_grad = optimizer.step, optimizer.zero_grad
     state = {"skipping": False, "synchronized": False}
 
     def synchronize_gradients() -> None:
         """Wait for every gradient's allreduce (all of them: those that got no gradient
         this step take part with zeros)."""
-        bucketer.finish(always=True)
+        if bucketer is not None:
+            bucketer.finish(always=True)
         state["synchronized"] = True
 
     def step(closure=None):
@@ -237,7 +254,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
         return local_step(closure) if closure is not None else local_step()
 
     def zero_grad(*args, **kwargs):
-        if bucketer.in_flight:
+        if bucketer is not None and bucketer.in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(); the "
                                  "gradients are still being averaged")

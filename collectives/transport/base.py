@@ -199,6 +199,9 @@ class Transport:
     # Whether they take CPU tensors. NCCL moves GPU memory only: the small CPU tensors
     # of argument checks and flags are then staged through this rank's GPU.
     cpu_tensors_ok: bool = True
+    # Whether the backend's own collectives (native_all_reduce, native_broadcast,
+    # barrier) exist here. Some ranks of a communicator (group.py) have none.
+    native_collectives: bool = True
 
     def __init__(self, rank: int, world_size: int, local_rank: int,
                  device: torch.device, timeout: timedelta):

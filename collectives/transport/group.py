@@ -10,7 +10,9 @@ rank translated, so they take the parent's routes (shared memory inside a host) 
 count in its traffic. Messages between two ranks keep their order whatever group
 they are sent in, so groups used one after another on one thread need no tags.
 
-Only point-to-point is offered: a group has no native collectives and no barrier.
+Only point-to-point is offered: a group has no native collectives and no barrier
+(`native_collectives` is False, and `auto` then picks algorithms built from
+point-to-point, see api.py).
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ from .base import Handle, Transport
 
 
 class Group(Transport):
+    native_collectives = False
+
     def __init__(self, parent: Transport, members: Sequence[int]):
         if parent.rank not in members:
             raise ValueError(f"rank {parent.rank} is not in the group {list(members)}")
