@@ -9,12 +9,16 @@
     native.py             the backend's own collectives, for comparison
     average.py            avg as a sum that cannot overflow, around any of the above
     auto.py               which one to use for a given size and world
+    costs.py              what a call costs: the constants every cost() is written in
 
 The tables below map the names users pass (`algorithm="ring"`) to functions. All
 functions take (comm, flat, ...) where `flat` is a 1-D contiguous tensor, in place.
+COSTS maps the same names to each algorithm's cost(nbytes, shape, constants), the
+seconds its docstring's formula gives (costs.py); `fastest` is the argmin over them.
 """
 from . import auto, halving_doubling, hierarchical, naive, native, pairwise, ring, tree
 from .average import average
+from .costs import Constants, Shape
 
 ALL_REDUCE = {
     "ring": ring.all_reduce,
@@ -45,6 +49,32 @@ AUTO_CHOICE = {
 }
 TABLES = {"all_reduce": ALL_REDUCE, "broadcast": BROADCAST,
           "reduce_scatter": REDUCE_SCATTER, "all_gather": ALL_GATHER}
+
+
+COSTS = {
+    "all_reduce": {
+        "ring": ring.cost,
+        "halving-doubling": halving_doubling.cost,
+        "tree": tree.cost,
+        "naive": naive.cost,
+        "hierarchical": hierarchical.cost,
+        "native": native.cost,
+    },
+    "broadcast": {
+        "tree": tree.broadcast_cost,
+        "naive": naive.broadcast_cost,
+        "native": native.broadcast_cost,
+    },
+    "reduce_scatter": {"ring": ring.reduce_scatter_cost},
+    "all_gather": {"ring": ring.all_gather_cost},
+    "all_to_all": {"pairwise": pairwise.cost},
+}
+
+
+def fastest(collective: str, nbytes: float, shape: Shape, constants: Constants) -> str:
+    """The algorithm the cost model says is quickest for this call (as NCCL's tuner)."""
+    table = COSTS[collective]
+    return min(table, key=lambda name: table[name](nbytes, shape, constants))
 
 
 def names(collective: str) -> list:

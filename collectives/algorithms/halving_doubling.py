@@ -32,6 +32,7 @@ import torch
 
 from ..transport import Transport
 from .common import chunk_bounds
+from .costs import Constants, Shape
 
 
 def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
@@ -86,3 +87,26 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
     # 4. Hand the result back to the rank that sat out.
     if rank < 2 * extra:
         comm.send(flat, rank - 1)
+
+
+def cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    """The formula of the module's notes, evaluated (see costs.py): each exchange is a
+    step in which every pair swaps its share both ways at once."""
+    n = shape.world_size
+    if n == 1:
+        return 0.0
+    p = 1 << (n.bit_length() - 1)
+    extra = n - p
+    real = [new * 2 + 1 if new < extra else new + extra for new in range(p)]
+    seconds = 0.0
+    if extra:  # the fold and the hand-back: the even ranks' whole buffer, there and back
+        fold = [(2 * i, 2 * i + 1) for i in range(extra)]
+        seconds += shape.pairs_step(fold, nbytes, c, c.overhead) + nbytes * c.gamma
+        seconds += shape.pairs_step([(b, a) for a, b in fold], nbytes, c, c.overhead)
+    distance = p // 2
+    while distance >= 1:  # halving, then the same exchanges again doubling
+        pairs = [(real[v], real[v ^ distance]) for v in range(p)]
+        share = nbytes * distance / p
+        seconds += 2 * shape.pairs_step(pairs, share, c, c.overhead) + share * c.gamma
+        distance //= 2
+    return seconds

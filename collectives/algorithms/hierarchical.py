@@ -60,6 +60,7 @@ naming the first failure instead of racing or reading stale data.
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from typing import List
 
 import torch
@@ -68,6 +69,7 @@ from ..transport import PeerError, Transport
 from ..transport.group import Group
 from . import ring
 from .common import chunk_bounds
+from .costs import Constants, Route, Shape
 
 
 def slices_held(local_size: int, slices: int, local_rank: int) -> range:
@@ -204,3 +206,24 @@ def _holder(host: List[int], piece: int, slices: int) -> int:
         if piece in slices_held(len(host), slices, local_rank):
             return rank
     raise AssertionError(f"slice {piece} has no holder on host {host}")
+
+
+def cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    """The formula of the module's notes, evaluated (see costs.py), with its pipeline.
+
+    Per chunk of k bytes: phase 1 a ring reduce-scatter inside a host (t1), phase 2 L
+    rings of k/L bytes across hosts at once, sharing each host's link (t2), phase 3 a
+    ring all-gather inside the host (t3). The local thread runs phases 1 and 3 of every
+    chunk, the network thread phase 2, so with c chunks the slower of the two sets the
+    pace: t1 + t2 + t3 + (c - 1) max(t2, t1 + t3)."""
+    hosts, local = shape.hosts, shape.ranks_per_host
+    if hosts == 1 or local == 1:
+        return ring.cost(nbytes, shape, c)
+    chunks = max(1, min(MAX_CHUNKS, int(nbytes) // PIPELINE_CHUNK_BYTES))
+    chunk = nbytes / chunks
+    inside = Shape(1, local)
+    t1 = ring.reduce_scatter_cost(chunk, inside, c)
+    t3 = ring.all_gather_cost(chunk, inside, c)
+    shared_link = replace(c, network=Route(c.network.alpha, c.network.beta * local))
+    t2 = ring.cost(chunk / local, Shape(hosts, 1), shared_link)
+    return t1 + t2 + t3 + (chunks - 1) * max(t2, t1 + t3)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from ..transport import Transport
+from .costs import Constants, Shape
 
 
 def broadcast(comm: Transport, flat: torch.Tensor, root: int) -> None:
@@ -38,3 +39,22 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
     else:
         comm.send(flat, 0)
     broadcast(comm, flat, root=0)
+
+
+# The formulas of the module's notes, evaluated (see costs.py).
+
+def broadcast_cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    """Rank 0 sends to every rank at once: the other hosts' ranks share its link."""
+    n, local = shape.world_size, shape.ranks_per_host
+    if n == 1:
+        return 0.0
+    inside = c.local.message(nbytes, local - 1) if local > 1 else 0.0
+    across = c.network.message(nbytes, n - local) if shape.hosts > 1 else 0.0
+    return (n - 1) * c.overhead + max(inside, across)
+
+
+def cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    """All-reduce: 2 (n-1) (alpha + K beta) + (n-1) K gamma, rank 0 receiving one by one"""
+    gather = sum(c.overhead + shape.route(shape.host(peer) != 0, c).message(nbytes)
+                 + nbytes * c.gamma for peer in range(1, shape.world_size))
+    return gather + broadcast_cost(nbytes, shape, c)

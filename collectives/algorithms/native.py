@@ -6,9 +6,13 @@ those two here so that "native" exists for every collective in the benchmark.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..transport import Transport
+from . import ring, tree
+from .costs import Constants, Shape
 
 
 def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
@@ -29,3 +33,19 @@ def all_gather(comm: Transport, flat: torch.Tensor) -> None:
     chunk = flat.numel() // comm.world_size
     for owner in range(comm.world_size):
         comm.native_broadcast(flat[owner * chunk:(owner + 1) * chunk], owner)
+
+
+# Costs (see costs.py). What the backend runs inside is its own affair; measured here,
+# gloo's all-reduce behaves as a ring in rank order with one message per step, and
+# its per-message cost is the backend's (native_overhead), not ours.
+
+def cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    n = shape.world_size
+    if n == 1:
+        return 0.0
+    backend = replace(c, overhead=c.native_overhead)
+    return ring.cost(nbytes, shape, backend, segment_bytes=0)
+
+
+def broadcast_cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    return tree.broadcast_cost(nbytes, shape, c, overhead=c.native_overhead)

@@ -19,6 +19,7 @@ from typing import List
 import torch
 
 from ..transport import Transport
+from .costs import Constants, Shape
 
 
 def all_to_all(comm: Transport, outputs: List[torch.Tensor],
@@ -34,3 +35,10 @@ def all_to_all(comm: Transport, outputs: List[torch.Tensor],
         for handle in (receive, send):
             if handle is not None:
                 handle.wait()
+
+
+def cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    """All-to-all of `nbytes` per piece: (n-1)(alpha + K beta), step by step (costs.py)."""
+    n = shape.world_size
+    return sum(shape.pairs_step([(r, (r + step) % n) for r in range(n)], nbytes, c, c.overhead)
+               for step in range(1, n))

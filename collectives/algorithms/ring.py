@@ -60,6 +60,9 @@ from ..transport import Transport
 from .. import trace
 from ..transport.group import Group
 from .common import chunk_bounds, segments
+from .costs import Constants, Shape, messages
+
+SEGMENT_BYTES = Transport.segment_bytes  # the default piece of a message (costs only)
 
 
 def _segment_elems(comm: Transport, flat: torch.Tensor, segment_bytes: Optional[int]) -> int:
@@ -167,3 +170,32 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
     bounds = chunk_bounds(flat.numel(), comm.world_size)
     reduce_scatter(comm, flat, op, bounds, segment_bytes)
     all_gather(comm, flat, bounds, segment_bytes)
+
+
+# The formulas of the module's notes, evaluated (see costs.py). The ring visits the
+# ranks host by host, so with several hosts every step has one stream leaving each
+# host: each step lasts as long as its network message.
+
+def _step_cost(chunk: float, shape: Shape, c: Constants, segment_bytes: int) -> float:
+    route = shape.route(crosses_hosts=True, c=c)
+    return messages(chunk, segment_bytes) * (route.alpha + c.overhead) + chunk * route.beta
+
+
+def reduce_scatter_cost(nbytes: float, shape: Shape, c: Constants,
+                        segment_bytes: int = SEGMENT_BYTES) -> float:
+    """(n-1) alpha + (n-1)/n K beta + (n-1)/n K gamma"""
+    n = shape.world_size
+    return (n - 1) * _step_cost(nbytes / n, shape, c, segment_bytes) + (n - 1) / n * nbytes * c.gamma
+
+
+def all_gather_cost(nbytes: float, shape: Shape, c: Constants,
+                    segment_bytes: int = SEGMENT_BYTES) -> float:
+    """(n-1) alpha + (n-1)/n K beta"""
+    n = shape.world_size
+    return (n - 1) * _step_cost(nbytes / n, shape, c, segment_bytes)
+
+
+def cost(nbytes: float, shape: Shape, c: Constants, segment_bytes: int = SEGMENT_BYTES) -> float:
+    """All-reduce: 2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma"""
+    return (reduce_scatter_cost(nbytes, shape, c, segment_bytes)
+            + all_gather_cost(nbytes, shape, c, segment_bytes))

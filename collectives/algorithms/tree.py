@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..transport import Transport
+from .costs import Constants, Shape
 
 
 def broadcast(comm: Transport, flat: torch.Tensor, root: int) -> None:
@@ -72,3 +73,33 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
         return
     reduce(comm, flat, op, root=0)
     broadcast(comm, flat, root=0)
+
+
+# The formulas of the module's notes, evaluated (see costs.py). Level by level: at
+# each level every pair moves the whole buffer at once; a level lasts as long as its
+# slowest message (streams leaving one host share its link).
+
+def _levels(n: int):
+    """The (child, parent) pairs of each level, leaves first."""
+    mask = 1
+    while mask < n:
+        yield [(v + mask, v) for v in range(0, n, 2 * mask) if v + mask < n]
+        mask <<= 1
+
+
+def broadcast_cost(nbytes: float, shape: Shape, c: Constants, overhead=None) -> float:
+    """ceil(log2 n) (alpha + K beta), from rank 0"""
+    o = c.overhead if overhead is None else overhead
+    return sum(shape.pairs_step([(parent, child) for child, parent in pairs], nbytes, c, o)
+               for pairs in _levels(shape.world_size))
+
+
+def reduce_cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    """ceil(log2 n) (alpha + K beta + K gamma), to rank 0"""
+    return sum(shape.pairs_step(pairs, nbytes, c, c.overhead) + nbytes * c.gamma
+               for pairs in _levels(shape.world_size))
+
+
+def cost(nbytes: float, shape: Shape, c: Constants) -> float:
+    """All-reduce: 2 ceil(log2 n) (alpha + K beta) + ceil(log2 n) K gamma"""
+    return reduce_cost(nbytes, shape, c) + broadcast_cost(nbytes, shape, c)
