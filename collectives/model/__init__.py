@@ -1,0 +1,44 @@
+"""A cost model of the collectives: calibrated here, asked about clusters we do not have.
+
+    python -m collectives.model calibrate --out here.json       # under any launcher
+    python -m collectives.model predict --constants here.json --algorithm all \\
+        --hosts 128 --ranks-per-host 8 --size 16M --bandwidth 25gbit --latency 10us
+
+The formulas live beside the algorithms (each algorithm file's `cost()`, in the
+constants of collectives/algorithms/costs.py); this package measures the constants
+(calibrate.py: a sweep of collectives.bench and a least-squares fit) and answers
+questions with them (__main__.py). trainer.predict replays a traced training step on
+the same model.
+"""
+from __future__ import annotations
+
+import json
+
+from ..algorithms import COSTS, fastest
+from ..algorithms.costs import Constants, Route, Shape
+
+__all__ = ["COSTS", "Constants", "Route", "Shape", "fastest", "load", "save", "predict"]
+
+
+def load(path: str) -> Constants:
+    """Constants from a file `calibrate --out` wrote (or one written by hand)."""
+    with open(path) as source:
+        data = json.load(source)
+    return Constants.from_dict(data.get("constants", data))
+
+
+def save(constants: Constants, path: str, **extra) -> None:
+    """Write `constants` (and `extra` keys, such as the fit's residuals) as JSON."""
+    with open(path, "w") as out:
+        json.dump({"constants": constants.as_dict(), **extra}, out, indent=2)
+        out.write("\n")
+
+
+def predict(collective: str, algorithm: str, nbytes: float, shape: Shape,
+            constants: Constants) -> float:
+    """Seconds for one call, as the algorithm's cost() says."""
+    table = COSTS[collective]
+    if algorithm not in table:
+        raise ValueError(f"no cost model for {collective} {algorithm!r}: "
+                         f"choose from {', '.join(table)}")
+    return table[algorithm](nbytes, shape, constants)
