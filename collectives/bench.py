@@ -150,8 +150,9 @@ class Runner:
         step, wrong = self._build(op, algorithm, count)
         seconds = self._time(step, f"{op} {algorithm} {count * element} B")
         algbw = count * element / seconds / 1e9
+        hosts = comm.topology.hosts
         row = dict(op=op, algorithm=algorithm, backend=comm.backend, transport=comm.name,
-                   world_size=n,
+                   world_size=n, hosts=len(hosts), ranks_per_host=max(map(len, hosts)),
                    bytes=count * element, count=count, dtype=str(self.dtype).split(".")[-1],
                    time_us=seconds * 1e6, algbw_gbps=algbw,
                    busbw_gbps=algbw * BUS_FACTOR.get(op, lambda n: 2 * (n - 1) / n)(n),
@@ -277,6 +278,10 @@ def run_benchmark(comm, args) -> List[Dict]:
     if link is not None:
         say(f"# emulated cluster: links of {link * 8 / 1e6:g} Mbit/s each way; nic = MB the "
             "busiest host's NIC sent per call")
+    if "auto" in args.algorithms and not algorithms.auto.measured(comm.world_size, comm.topology):
+        say(f"# auto: {comm.world_size} ranks on {len(comm.topology.hosts)} host(s) is beyond "
+            "what its rules were measured on: it takes what the cost model says is quickest "
+            f"(constants: {algorithms.auto.model_constants_path()})")
     say(header(link is not None))
     for op in args.ops:
         wanted = [a for a in args.algorithms if a in algorithms.names(op) or

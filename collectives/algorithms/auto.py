@@ -34,6 +34,13 @@ third of the rate. With several ranks on a host, `hierarchical`: each link then 
 4 ranks). Below 64 KiB the tree (2 hosts of 2 ranks: 1.6 ms at 16 KiB, against 2.9
 for naive and 8.1 for the ring).
 
+Beyond what was measured (more than 4 ranks on one host, more than 4 hosts or more
+than 4 ranks on a host), auto asks the cost model instead, as NCCL's tuner does: the
+algorithm whose cost() is least for this size and shape (`model_choice`), with the
+constants in $COLLECTIVES_MODEL (a file `python -m collectives.model calibrate`
+wrote) or else the ones calibrated on this machine's emulated cluster
+(calibrated.json, docs/model.md). collectives.bench says so when it happens.
+
 NCCL is the exception, on one host and across hosts alike: `native`. NCCL already
 runs its own hierarchy across nodes (rings and trees over NVLink inside a node and
 the network between nodes, chosen by its own tuning), and none of ours has been
@@ -45,9 +52,12 @@ GPU). So nccl keeps NCCL's own collectives until a measurement says otherwise.
 """
 from __future__ import annotations
 
+import functools
+import os
 from typing import Optional
 
 from ..transport.topology import Topology
+from .costs import Shape
 
 KiB, MiB = 1 << 10, 1 << 20
 # Ranks on several hosts: from this size the links' bandwidth decides. Over a shaped
@@ -72,6 +82,41 @@ LADDERS = {
 }
 
 
+# The largest worlds the rules below were measured on (docs/benchmarks.md, cluster.md).
+MEASURED_ONE_HOST = 4       # ranks on a single host
+MEASURED_HOSTS = 4          # hosts
+MEASURED_PER_HOST = 4       # ranks on one host of several
+CALIBRATED = os.path.join(os.path.dirname(__file__), "calibrated.json")
+
+
+def shape_of(world_size: int, topology: Optional[Topology]) -> Shape:
+    """The model's view of where the ranks are (hosts of unequal size: the largest)."""
+    if topology is None:
+        return Shape(1, world_size)
+    hosts = topology.hosts
+    return Shape(len(hosts), max(map(len, hosts)))
+
+
+def measured(world_size: int, topology: Optional[Topology] = None) -> bool:
+    """Whether the rules below were measured on a world like this one."""
+    shape = shape_of(world_size, topology)
+    if shape.hosts == 1:
+        return world_size <= MEASURED_ONE_HOST
+    return shape.hosts <= MEASURED_HOSTS and shape.ranks_per_host <= MEASURED_PER_HOST
+
+
+def model_constants_path() -> str:
+    return os.environ.get("COLLECTIVES_MODEL") or CALIBRATED
+
+
+@functools.lru_cache(maxsize=1024)
+def model_choice(nbytes: int, hosts: int, ranks_per_host: int, path: str) -> str:
+    """The all-reduce algorithm the cost model says is quickest (the constants at `path`)."""
+    from . import fastest
+    from .costs import load_constants
+    return fastest("all_reduce", nbytes, Shape(hosts, ranks_per_host), load_constants(path))
+
+
 def all_reduce_choice(nbytes: int, world_size: int, transport: str,
                       topology: Optional[Topology] = None) -> str:
     """The algorithm for an all-reduce of `nbytes` over `transport` (a comm.name) on
@@ -80,6 +125,9 @@ def all_reduce_choice(nbytes: int, world_size: int, transport: str,
         return "native"
     if transport.split("+")[0] == "nccl":
         return "native"  # NCCL's own ladder, across hosts too (see the notes above)
+    if not measured(world_size, topology):
+        shape = shape_of(world_size, topology)
+        return model_choice(nbytes, shape.hosts, shape.ranks_per_host, model_constants_path())
     if topology is not None and not topology.single_host:
         if nbytes < ACROSS_HOSTS_FROM:
             return "tree"

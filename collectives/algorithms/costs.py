@@ -16,10 +16,13 @@ host numbered together):
              at once share it, so each moves at 1/f of its rate: alpha + f K beta
 
 `overhead` is what each message costs our Python code on top of the route (posting
-it, waking the thread that waits on it); the backend's own collectives (`native`)
-pay `native_overhead` instead. A step whose ranks use both routes at once (a ring
-step where one pair crosses hosts and the others do not) lasts as long as its
-slowest message.
+it, waking the thread that waits on it), per algorithm: a ring step posts a receive,
+a send and a forward, a tree level one receive (NCCL's tuner, too, keeps a base
+latency per algorithm). The backend's own collectives (`native`) pay
+no such overhead, and inside a host they take their own route (`native`: gloo's TCP
+over loopback where ours goes through shared memory). A step whose ranks use both
+routes at once (a ring step where one pair crosses hosts and the others do not) lasts
+as long as its slowest message.
 
 The constants are measured, not assumed: `python -m collectives.model calibrate`
 fits them to a sweep of collectives.bench (docs/model.md), and a file of them can be
@@ -27,8 +30,11 @@ written by hand for a machine we do not have.
 """
 from __future__ import annotations
 
+import functools
+import json
 import math
 from dataclasses import asdict, dataclass, replace
+from typing import Dict
 
 # Ethernet + IP + TCP headers: 1448 bytes of payload in a 1514-byte frame. A link of
 # R bytes/s moves R x WIRE_EFFICIENCY bytes of a message per second.
@@ -50,10 +56,14 @@ class Constants:
     local: Route             # between ranks of one host
     network: Route           # between hosts, per host link and direction
     gamma: float             # seconds per reduced byte
-    overhead: float          # our own seconds per message (Python's share)
-    native_overhead: float   # the backend's own collectives' seconds per message
+    overhead: Dict[str, float]  # our own seconds per message, per algorithm ("default")
+    native: Route            # the backend's own collectives, between ranks of one host
     link_rate: float = 0.0   # bytes/s of the link `network` was measured on (0: unshaped)
     transport: str = ""      # what it was measured on ("gloo+shm", ...)
+
+    def per_message(self, algorithm: str) -> float:
+        """Our own seconds per message of `algorithm` (the "default" entry otherwise)."""
+        return self.overhead.get(algorithm, self.overhead.get("default", 0.0))
 
     def with_link(self, rate: float = 0.0, latency: float = 0.0) -> "Constants":
         """The same machine on another network: a link of `rate` bytes/s each way
@@ -76,8 +86,19 @@ class Constants:
         fields = dict(data)
         fields["local"] = Route(**fields["local"])
         fields["network"] = Route(**fields["network"])
+        fields["native"] = Route(**fields["native"])
+        if not isinstance(fields["overhead"], dict):  # one figure for every algorithm
+            fields["overhead"] = {"default": float(fields["overhead"])}
         known = set(cls.__dataclass_fields__)
         return cls(**{key: value for key, value in fields.items() if key in known})
+
+
+@functools.lru_cache(maxsize=8)
+def load_constants(path: str) -> Constants:
+    """Constants from a JSON file `python -m collectives.model calibrate` wrote."""
+    with open(path) as source:
+        data = json.load(source)
+    return Constants.from_dict(data.get("constants", data))
 
 
 def wire_beta(rate: float) -> float:

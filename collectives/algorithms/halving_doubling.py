@@ -98,15 +98,16 @@ def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     p = 1 << (n.bit_length() - 1)
     extra = n - p
     real = [new * 2 + 1 if new < extra else new + extra for new in range(p)]
+    o = c.per_message("halving-doubling")
     seconds = 0.0
     if extra:  # the fold and the hand-back: the even ranks' whole buffer, there and back
         fold = [(2 * i, 2 * i + 1) for i in range(extra)]
-        seconds += shape.pairs_step(fold, nbytes, c, c.overhead) + nbytes * c.gamma
-        seconds += shape.pairs_step([(b, a) for a, b in fold], nbytes, c, c.overhead)
+        seconds += shape.pairs_step(fold, nbytes, c, o) + nbytes * c.gamma
+        seconds += shape.pairs_step([(b, a) for a, b in fold], nbytes, c, o)
     distance = p // 2
     while distance >= 1:  # halving, then the same exchanges again doubling
         pairs = [(real[v], real[v ^ distance]) for v in range(p)]
         share = nbytes * distance / p
-        seconds += 2 * shape.pairs_step(pairs, share, c, c.overhead) + share * c.gamma
+        seconds += 2 * shape.pairs_step(pairs, share, c, o) + share * c.gamma
         distance //= 2
     return seconds

@@ -222,8 +222,9 @@ def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     chunks = max(1, min(MAX_CHUNKS, int(nbytes) // PIPELINE_CHUNK_BYTES))
     chunk = nbytes / chunks
     inside = Shape(1, local)
-    t1 = ring.reduce_scatter_cost(chunk, inside, c)
-    t3 = ring.all_gather_cost(chunk, inside, c)
+    o = c.per_message("hierarchical")
+    t1 = ring.reduce_scatter_cost(chunk, inside, c, overhead=o)
+    t3 = ring.all_gather_cost(chunk, inside, c, overhead=o)
     shared_link = replace(c, network=Route(c.network.alpha, c.network.beta * local))
-    t2 = ring.cost(chunk / local, Shape(hosts, 1), shared_link)
+    t2 = ring.cost(chunk / local, Shape(hosts, 1), shared_link, overhead=o)
     return t1 + t2 + t3 + (chunks - 1) * max(t2, t1 + t3)

@@ -50,11 +50,11 @@ def broadcast_cost(nbytes: float, shape: Shape, c: Constants) -> float:
         return 0.0
     inside = c.local.message(nbytes, local - 1) if local > 1 else 0.0
     across = c.network.message(nbytes, n - local) if shape.hosts > 1 else 0.0
-    return (n - 1) * c.overhead + max(inside, across)
+    return (n - 1) * c.per_message("naive") + max(inside, across)
 
 
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """All-reduce: 2 (n-1) (alpha + K beta) + (n-1) K gamma, rank 0 receiving one by one"""
-    gather = sum(c.overhead + shape.route(shape.host(peer) != 0, c).message(nbytes)
+    gather = sum(c.per_message("naive") + shape.route(shape.host(peer) != 0, c).message(nbytes)
                  + nbytes * c.gamma for peer in range(1, shape.world_size))
     return gather + broadcast_cost(nbytes, shape, c)

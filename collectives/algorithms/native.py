@@ -35,17 +35,16 @@ def all_gather(comm: Transport, flat: torch.Tensor) -> None:
         comm.native_broadcast(flat[owner * chunk:(owner + 1) * chunk], owner)
 
 
-# Costs (see costs.py). What the backend runs inside is its own affair; measured here,
-# gloo's all-reduce behaves as a ring in rank order with one message per step, and
-# its per-message cost is the backend's (native_overhead), not ours.
+# Costs (see costs.py). What the backend runs inside is its own affair; modelled here
+# as a ring in rank order with one message per step (gloo's all-reduce is a ring),
+# inside a host on the backend's own route (c.native), and without our overhead.
 
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     n = shape.world_size
     if n == 1:
         return 0.0
-    backend = replace(c, overhead=c.native_overhead)
-    return ring.cost(nbytes, shape, backend, segment_bytes=0)
+    return ring.cost(nbytes, shape, replace(c, local=c.native), segment_bytes=0, overhead=0.0)
 
 
 def broadcast_cost(nbytes: float, shape: Shape, c: Constants) -> float:
-    return tree.broadcast_cost(nbytes, shape, c, overhead=c.native_overhead)
+    return tree.broadcast_cost(nbytes, shape, replace(c, local=c.native), overhead=0.0)

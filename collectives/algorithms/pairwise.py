@@ -40,5 +40,5 @@ def all_to_all(comm: Transport, outputs: List[torch.Tensor],
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """All-to-all of `nbytes` per piece: (n-1)(alpha + K beta), step by step (costs.py)."""
     n = shape.world_size
-    return sum(shape.pairs_step([(r, (r + step) % n) for r in range(n)], nbytes, c, c.overhead)
+    return sum(shape.pairs_step([(r, (r + step) % n) for r in range(n)], nbytes, c, c.per_message("pairwise"))
                for step in range(1, n))

@@ -174,28 +174,34 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
 
 # The formulas of the module's notes, evaluated (see costs.py). The ring visits the
 # ranks host by host, so with several hosts every step has one stream leaving each
-# host: each step lasts as long as its network message.
+# host: each step lasts as long as its network message. `overhead` is ours per
+# message unless given (hierarchical and native pass their own).
 
-def _step_cost(chunk: float, shape: Shape, c: Constants, segment_bytes: int) -> float:
+def _step_cost(chunk: float, shape: Shape, c: Constants, segment_bytes: int,
+               overhead: float) -> float:
     route = shape.route(crosses_hosts=True, c=c)
-    return messages(chunk, segment_bytes) * (route.alpha + c.overhead) + chunk * route.beta
+    return messages(chunk, segment_bytes) * (route.alpha + overhead) + chunk * route.beta
 
 
 def reduce_scatter_cost(nbytes: float, shape: Shape, c: Constants,
-                        segment_bytes: int = SEGMENT_BYTES) -> float:
+                        segment_bytes: int = SEGMENT_BYTES, overhead=None) -> float:
     """(n-1) alpha + (n-1)/n K beta + (n-1)/n K gamma"""
     n = shape.world_size
-    return (n - 1) * _step_cost(nbytes / n, shape, c, segment_bytes) + (n - 1) / n * nbytes * c.gamma
+    o = c.per_message("ring") if overhead is None else overhead
+    return (n - 1) * _step_cost(nbytes / n, shape, c, segment_bytes, o) \
+        + (n - 1) / n * nbytes * c.gamma
 
 
 def all_gather_cost(nbytes: float, shape: Shape, c: Constants,
-                    segment_bytes: int = SEGMENT_BYTES) -> float:
+                    segment_bytes: int = SEGMENT_BYTES, overhead=None) -> float:
     """(n-1) alpha + (n-1)/n K beta"""
     n = shape.world_size
-    return (n - 1) * _step_cost(nbytes / n, shape, c, segment_bytes)
+    o = c.per_message("ring") if overhead is None else overhead
+    return (n - 1) * _step_cost(nbytes / n, shape, c, segment_bytes, o)
 
 
-def cost(nbytes: float, shape: Shape, c: Constants, segment_bytes: int = SEGMENT_BYTES) -> float:
+def cost(nbytes: float, shape: Shape, c: Constants, segment_bytes: int = SEGMENT_BYTES,
+         overhead=None) -> float:
     """All-reduce: 2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma"""
-    return (reduce_scatter_cost(nbytes, shape, c, segment_bytes)
-            + all_gather_cost(nbytes, shape, c, segment_bytes))
+    return (reduce_scatter_cost(nbytes, shape, c, segment_bytes, overhead)
+            + all_gather_cost(nbytes, shape, c, segment_bytes, overhead))

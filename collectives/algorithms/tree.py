@@ -89,14 +89,14 @@ def _levels(n: int):
 
 def broadcast_cost(nbytes: float, shape: Shape, c: Constants, overhead=None) -> float:
     """ceil(log2 n) (alpha + K beta), from rank 0"""
-    o = c.overhead if overhead is None else overhead
+    o = c.per_message("tree") if overhead is None else overhead
     return sum(shape.pairs_step([(parent, child) for child, parent in pairs], nbytes, c, o)
                for pairs in _levels(shape.world_size))
 
 
 def reduce_cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """ceil(log2 n) (alpha + K beta + K gamma), to rank 0"""
-    return sum(shape.pairs_step(pairs, nbytes, c, c.overhead) + nbytes * c.gamma
+    return sum(shape.pairs_step(pairs, nbytes, c, c.per_message("tree")) + nbytes * c.gamma
                for pairs in _levels(shape.world_size))
 
 

@@ -15,16 +15,14 @@ from __future__ import annotations
 import json
 
 from ..algorithms import COSTS, fastest
-from ..algorithms.costs import Constants, Route, Shape
+from ..algorithms.costs import Constants, Route, Shape, load_constants
 
 __all__ = ["COSTS", "Constants", "Route", "Shape", "fastest", "load", "save", "predict"]
 
 
 def load(path: str) -> Constants:
     """Constants from a file `calibrate --out` wrote (or one written by hand)."""
-    with open(path) as source:
-        data = json.load(source)
-    return Constants.from_dict(data.get("constants", data))
+    return load_constants(path)
 
 
 def save(constants: Constants, path: str, **extra) -> None:

@@ -1,0 +1,246 @@
+"""The cost model: each algorithm's cost() against the formula worked by hand, the fit
+recovering known constants from noisy synthetic timings, auto's choice beyond what
+was measured, and the command line end to end on 2 ranks."""
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+
+from collectives import algorithms
+from collectives.algorithms import COSTS, auto, fastest
+from collectives.algorithms.costs import Constants, Route, Shape, wire_beta
+from collectives.model import calibrate as calibration
+from collectives.model.units import parse_latency, parse_rate
+from collectives.transport.topology import Topology
+
+# Round numbers, so every case below can be checked with pencil and paper.
+C = Constants(local=Route(1e-3, 1e-9), network=Route(1e-2, 1e-8), gamma=1e-10,
+              overhead={"default": 1e-4}, native=Route(2e-3, 2e-9))
+
+HAND_WORKED = [
+    # ring, 4 ranks on one host, 4e6 bytes: 2 x 3 steps of one 1e6-byte chunk
+    # (1e-3 + 1e-4 + 1e6 x 1e-9 = 2.1e-3 each) + 3/4 x 4e6 x 1e-10 reduced
+    ("ring", 4e6, Shape(1, 4), 6 * 2.1e-3 + 3e-4),
+    # the same on 2 hosts of 2: every step waits on the network message
+    # (1e-2 + 1e-4 + 1e6 x 1e-8 = 2.01e-2)
+    ("ring", 4e6, Shape(2, 2), 6 * 2.01e-2 + 3e-4),
+    # tree, 8 ranks on a host, 1e6 bytes: 3 levels up (2.1e-3 + 1e-4 reduced) and
+    # 3 levels down (2.1e-3)
+    ("tree", 1e6, Shape(1, 8), 3 * 2.2e-3 + 3 * 2.1e-3),
+    # tree on 2 x 2: one level inside each host, one across (2.01e-2)
+    ("tree", 1e6, Shape(2, 2), (2.1e-3 + 1e-4) + (2.01e-2 + 1e-4) + 2.1e-3 + 2.01e-2),
+    # halving-doubling, 4 ranks: distance 2 swaps 2e6 bytes each way twice (3.1e-3)
+    # and reduces 2e6; distance 1 swaps 1e6 twice (2.1e-3) and reduces 1e6
+    ("halving-doubling", 4e6, Shape(1, 4), 2 * 3.1e-3 + 2e-4 + 2 * 2.1e-3 + 1e-4),
+    # hierarchical 2 x 2, 1e6 bytes (one chunk): reduce-scatter inside (1e-3 + 1e-4 +
+    # 5e5 x 1e-9, + 5e5 x 1e-10 reduced), two rings of 5e5 bytes sharing each link
+    # (1e-2 + 1e-4 + 2.5e5 x 2e-8 per step, + 2.5e5 x 1e-10 reduced), all-gather inside
+    ("hierarchical", 1e6, Shape(2, 2), (1.6e-3 + 5e-5) + (2 * 1.51e-2 + 2.5e-5) + 1.6e-3),
+    # naive on 3 hosts of 1: rank 0 receives twice (2.01e-2 + 1e-4 reduced each), then
+    # sends to both at once: its link carries 2e6 bytes (1e-2 + 2e-2), 2 overheads
+    ("naive", 1e6, Shape(3, 1), 2 * (2.01e-2 + 1e-4) + (2 * 1e-4 + 3e-2)),
+    # the backend's own, 2 ranks on a host: its own route, no overhead of ours, one
+    # message per step: (2e-3 + 1e6 x 2e-9) twice + 1e6 x 1e-10 reduced
+    ("native", 2e6, Shape(1, 2), 2 * 4e-3 + 1e-4),
+]
+
+
+@pytest.mark.parametrize("algorithm,nbytes,shape,seconds", HAND_WORKED,
+                         ids=[f"{a}-{s.hosts}x{s.ranks_per_host}" for a, _, s, _ in HAND_WORKED])
+def test_cost_matches_the_formula_worked_by_hand(algorithm, nbytes, shape, seconds):
+    assert COSTS["all_reduce"][algorithm](nbytes, shape, C) == pytest.approx(seconds, rel=1e-9)
+
+
+def test_other_collectives_costs():
+    # pairwise all-to-all, 3 ranks, 1e6 bytes per piece: 2 steps of 2.1e-3
+    assert COSTS["all_to_all"]["pairwise"](1e6, Shape(1, 3), C) == pytest.approx(4.2e-3)
+    # tree broadcast, 4 ranks on 2 hosts: across (2.01e-2), then inside (2.1e-3)
+    assert COSTS["broadcast"]["tree"](1e6, Shape(2, 2), C) == pytest.approx(2.22e-2)
+    # ring reduce-scatter plus all-gather is the ring all-reduce
+    rs = COSTS["reduce_scatter"]["ring"](4e6, Shape(1, 4), C)
+    ag = COSTS["all_gather"]["ring"](4e6, Shape(1, 4), C)
+    assert rs + ag == pytest.approx(COSTS["all_reduce"]["ring"](4e6, Shape(1, 4), C))
+
+
+def test_segments_add_a_message_each():
+    one = COSTS["all_reduce"]["ring"](4 * 2**22, Shape(1, 4), C)  # chunks of one segment
+    two = COSTS["all_reduce"]["ring"](8 * 2**22, Shape(1, 4), C)  # two segments a chunk
+    # twice the bytes: twice the byte terms, and 6 more messages (one per step)
+    bytes_part = one - 6 * 1.1e-3
+    assert two == pytest.approx(2 * bytes_part + 12 * 1.1e-3)
+
+
+def test_overheads_per_algorithm():
+    mine = Constants(**{**C.__dict__, "overhead": {"default": 1e-4, "tree": 0.0}})
+    assert COSTS["all_reduce"]["tree"](1e6, Shape(1, 8), mine) == pytest.approx(
+        3 * 2.1e-3 + 3 * 2.0e-3)
+    assert mine.per_message("ring") == 1e-4
+
+
+def test_another_link_keeps_the_hosts_share():
+    host_share = 1e-9
+    measured = Constants(**{**C.__dict__, "network": Route(1e-4, wire_beta(12.5e6) + host_share),
+                            "link_rate": 12.5e6})
+    faster = measured.with_link(parse_rate("1gbit"), parse_latency("2ms"))
+    assert faster.network.beta == pytest.approx(host_share + 8 / 1e9 / (1448 / 1514))
+    assert faster.network.alpha == pytest.approx(1e-4 + 2e-3)
+    assert faster.link_rate == 125e6
+    assert measured.with_link().network == measured.network
+
+
+def test_fastest_is_the_argmin():
+    shape = Shape(2, 2)
+    times = {name: cost(64e6, shape, C) for name, cost in COSTS["all_reduce"].items()}
+    assert fastest("all_reduce", 64e6, shape, C) == min(times, key=times.get) == "hierarchical"
+    # small messages on one host: the fewest hops, not the fewest bytes
+    assert fastest("all_reduce", 64, Shape(1, 8), C) != "ring"
+
+
+def test_units():
+    assert parse_rate("25gbit") == 25e9 / 8
+    assert parse_rate("100Mbit") == 12.5e6
+    assert parse_latency("10us") == pytest.approx(1e-5)
+    with pytest.raises(Exception, match="bad rate"):
+        parse_rate("fast")
+
+
+# ---- the fit -----------------------------------------------------------------------------
+
+TRUTH = Constants(local=Route(30e-6, 1 / 3e9), network=Route(200e-6, wire_beta(12.5e6)),
+                  gamma=1 / 5e9, native=Route(400e-6, 1 / 1.5e9),
+                  overhead={"default": 40e-6, "ring": 60e-6, "tree": 25e-6, "naive": 20e-6,
+                            "halving-doubling": 50e-6, "hierarchical": 70e-6})
+
+
+def synthetic_points(truth, noise, seed=0):
+    """What calibrate's sweep would measure on 2 hosts of 2 ranks, timed with noise."""
+    rng = random.Random(seed)
+    sets = [("world", Shape(2, 2), calibration.WORLD_ALGORITHMS),
+            ("host", Shape(1, 2), calibration.GROUP_ALGORITHMS),
+            ("leaders", Shape(2, 1), calibration.GROUP_ALGORITHMS)]
+    points = []
+    for name, shape, names in sets:
+        for algorithm in names:
+            for nbytes in calibration.SIZES:
+                exact = COSTS["all_reduce"][algorithm](nbytes, shape, truth)
+                points.append(calibration.Point(algorithm, nbytes, shape.hosts,
+                                                shape.ranks_per_host,
+                                                exact * math.exp(rng.gauss(0, noise)), name))
+    return points
+
+
+def test_fit_recovers_known_constants_from_noisy_timings():
+    points = synthetic_points(TRUTH, noise=0.03)
+    fitted, measured = calibration.fit(points)
+    # 2 x 2 touches every constant but the backend's own route inside a host: its ring
+    # crosses hosts at every step, so the network decides every one of them
+    assert set(measured) == set(calibration.PARAMETERS) - {"native.alpha", "native.beta"}
+    # The bandwidths dominate big messages and come back closely; the network's latency too.
+    assert fitted.network.beta == pytest.approx(TRUTH.network.beta, rel=0.05)
+    assert fitted.local.beta == pytest.approx(TRUTH.local.beta, rel=0.25)
+    assert fitted.network.alpha == pytest.approx(TRUTH.network.alpha, rel=0.25)
+    # And it predicts what it was not fitted on: 4 hosts of 2, 64 MiB, 4 hosts of 1.
+    for algorithm, shape in [("ring", Shape(4, 2)), ("hierarchical", Shape(4, 2)),
+                             ("tree", Shape(4, 1)), ("native", Shape(3, 2))]:
+        for nbytes in (64 << 10, 64 << 20):
+            truth = COSTS["all_reduce"][algorithm](nbytes, shape, TRUTH)
+            model = COSTS["all_reduce"][algorithm](nbytes, shape, fitted)
+            assert model == pytest.approx(truth, rel=0.10), (algorithm, shape, nbytes)
+    errs = calibration.summary(calibration.errors(points, fitted))
+    assert errs["median_abs_error"] < 0.04
+
+
+def test_one_host_leaves_the_network_unmeasured():
+    points = [p for p in synthetic_points(TRUTH, noise=0.0) if p.ranks == "host"]
+    fitted, measured = calibration.fit(points)
+    assert "network.beta" not in measured and "network.alpha" not in measured
+    assert fitted.network == calibration.START.network  # kept, and reported as such
+    assert "not measured here" in calibration.describe(fitted, measured)
+
+
+# ---- auto beyond what was measured -------------------------------------------------------
+
+def test_auto_asks_the_model_beyond_what_was_measured(tmp_path, monkeypatch):
+    path = tmp_path / "constants.json"
+    path.write_text(json.dumps({"constants": C.as_dict()}))
+    monkeypatch.setenv("COLLECTIVES_MODEL", str(path))
+    hosts = Topology(tuple(rank // 8 for rank in range(64)))  # 8 hosts of 8
+    assert not auto.measured(64, hosts)
+    expected = fastest("all_reduce", 64 << 20, Shape(8, 8), C)
+    assert auto.all_reduce_choice(64 << 20, 64, "gloo", hosts) == expected
+    # inside what was measured, the measured rules stand
+    assert auto.measured(4, Topology((0, 0, 1, 1)))
+    assert auto.all_reduce_choice(64 << 20, 4, "gloo", Topology((0, 0, 1, 1))) == "hierarchical"
+
+
+def test_the_shipped_constants_load_and_answer():
+    c = algorithms.costs.load_constants(auto.CALIBRATED)
+    for shape in (Shape(1, 16), Shape(64, 8)):
+        assert auto.model_choice(1 << 20, shape.hosts, shape.ranks_per_host,
+                                 auto.CALIBRATED) in COSTS["all_reduce"]
+    assert c.network.beta > 0 and c.local.beta > 0
+
+
+# ---- the command line, end to end --------------------------------------------------------
+
+def run(*argv, timeout=240):
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+
+
+def test_calibrate_predict_and_check_end_to_end(tmp_path):
+    out = tmp_path / "here.json"
+    done = run("-m", "collectives.model", "calibrate", "--nproc", "2", "--out", str(out),
+               "--sizes", "4K,256K", "--trials", "1", "--seconds-per-row", "0.05")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "fit error over 10 points" in done.stdout  # 5 algorithms x 2 sizes, one host
+    saved = json.loads(out.read_text())
+    assert len(saved["points"]) == 10 and "local.beta" in saved["measured"]
+    assert "network.beta" not in saved["measured"]
+
+    asked = run("-m", "collectives.model", "predict", "--constants", str(out), "--hosts", "3",
+                "--ranks-per-host", "2", "--size", "16M", "--bandwidth", "50mbit",
+                "--latency", "2ms")
+    assert asked.returncode == 0, asked.stderr
+    rows = [line.split() for line in asked.stdout.splitlines() if not line.startswith("#")][1:]
+    assert sorted(r[0] for r in rows) == sorted(COSTS["all_reduce"])
+    seconds = [float(r[1]) for r in rows]
+    assert seconds == sorted(seconds)  # fastest first
+    # 16 MiB over 50 Mbit/s links: no algorithm can take less than the ring's bytes allow
+    assert seconds[0] > 2 * (5 / 6) * (16 << 20) / (50e6 / 8) / 2
+
+    rows_file = tmp_path / "bench.jsonl"
+    bench = run("-m", "collectives.bench", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
+                "ring,tree", "--trials", "1", "--seconds-per-row", "0.05", "--no-handshake",
+                "--json", str(rows_file))
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    checked = run("-m", "collectives.model", "check", "--constants", str(out), str(rows_file))
+    assert checked.returncode == 0, checked.stderr
+    assert "4 points: median |error|" in checked.stdout
+
+
+def predict_error(capsys, *argv) -> str:
+    """The one line `python -m collectives.model predict ...` exits with (status 2)."""
+    from collectives.model.__main__ import main
+    with pytest.raises(SystemExit) as exited:
+        main(["predict", *argv])
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_predict_refuses_bad_input(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    out.write_text(json.dumps({"constants": C.as_dict()}))
+    common = ["--constants", str(out), "--hosts", "2", "--size", "1M"]
+    assert "no cost model for all_reduce 'bogus'" in predict_error(
+        capsys, *common, "--algorithm", "bogus")
+    assert "bad rate 'fast'" in predict_error(capsys, *common, "--bandwidth", "fast")
+    assert "cannot read constants" in predict_error(
+        capsys, "--constants", str(tmp_path / "none.json"), "--hosts", "2", "--size", "1M")
+    assert "--hosts and --ranks-per-host must be at least 1" in predict_error(
+        capsys, "--constants", str(out), "--hosts", "0", "--size", "1M")
