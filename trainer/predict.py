@@ -363,7 +363,8 @@ def rows_for(profiles: Dict[str, StepProfile], syncs: List[str], ranks: List[int
     return rows
 
 
-def print_table(rows: List[dict], out=sys.stdout) -> None:
+def print_table(rows: List[dict], out=None) -> None:
+    out = out or sys.stdout
     print(f"{'sync':>13} {'ranks':>6} {'hosts x ranks':>13} {'step ms':>9} {'waited ms':>9} "
           f"{'img/s':>9} {'efficiency':>10}  algorithms", file=out)
     for row in rows:
@@ -390,6 +391,7 @@ def plot(rows: List[dict], path: str, title: str) -> None:
         ax.plot([r["ranks"] for r in mine], [r["images_per_s"] for r in mine], marker="o",
                 linestyle="--" if s.torch else "-", color=colours[s.family], label=sync)
     ax.set_xscale("log")
+    ax.set_yscale("log")  # linear scaling is then a straight line
     ax.set_xlabel("ranks")
     ax.set_ylabel("images/s (modelled)")
     ax.set_title(title, fontsize=9)
