@@ -212,6 +212,11 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
          "--trace-steps", "1", "--trace", str(trace_dir)],
         capture_output=True, text=True, timeout=240)
     assert bench.returncode == 0, bench.stderr[-3000:]
+    # PowerSGD's all-reduces, as traced, are the ones its layout gives for ResNet-18
+    from trainer.loop.models import build_model
+    traced = profile_from_trace(str(trace_dir))["powersgd"].collectives
+    assert [n for what, _, n in traced if what == "all_reduce"] == list(
+        predict.powersgd_bytes(build_model("resnet18", 1, 10, 28), rank=2))
     constants = tmp_path / "c.json"
     constants.write_text(json.dumps({"constants": {
         "local": {"alpha": 2e-5, "beta": 2e-10}, "network": {"alpha": 5e-5, "beta": 8.5e-10},

@@ -60,7 +60,8 @@ What each strategy is, in that picture (STRATEGIES below):
     bf16 / fp16    the same buckets at half the bytes, plus the measured casts
     powersgd       no buckets; after backward, on the training thread, the all-reduces
                    the trace shows (uncompressed vectors, all P's, all Q's: their bytes
-                   depend on the model and the rank r, not on the number of ranks),
+                   depend on the model and the rank r, not on the number of ranks;
+                   powersgd_bytes(model, r) computes them from the layers),
                    plus the measured matrix work between them
     local-sgd      buckets carry nothing; every H steps (--period, 8 as the strategy's
                    default) one all-reduce of all parameters and float buffers on the
@@ -244,6 +245,25 @@ def profile_from_trace(path: str) -> Dict[str, StepProfile]:
             pace.averaging_bytes = sum(b.nbytes for b in pace.buckets)
         result[sync] = pace
     return result
+
+
+def powersgd_bytes(model, rank: int = 2) -> Tuple[int, int, int]:
+    """The bytes of our PowerSGD's three all-reduces for `model` at rank r, as
+    collectives/sync/powersgd.py lays them out: the tensors it sends whole (vectors,
+    and matrices n x m too small to gain: r(n + m) >= nm), then every P (n x r), then
+    every Q (m x r). None depends on the number of ranks; the trace's own
+    after_backward all-reduces should show the same three numbers."""
+    whole = ps = qs = 0
+    for p in model.parameters():
+        if not p.requires_grad:
+            continue
+        size = p.element_size()
+        n, m = (p.shape[0], p[0].numel()) if p.dim() >= 2 else (0, 0)
+        if p.dim() < 2 or rank * (n + m) >= n * m:
+            whole += p.numel() * size
+        else:
+            ps, qs = ps + n * rank * size, qs + m * rank * size
+    return whole, ps, qs
 
 
 # --- the strategies -------------------------------------------------------------------
