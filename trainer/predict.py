@@ -93,7 +93,7 @@ import json
 import os
 import statistics
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
 from collectives.algorithms import COSTS, fastest
@@ -171,6 +171,11 @@ def _one_step(events, step) -> StepProfile:
     lo, hi, tid = step["ts"], step["ts"] + step["dur"], step["tid"]
     mine = _inside(events, lo, hi)
     named = lambda name: [e for e in mine if e["tid"] == tid and e["name"] == name]  # noqa: E731
+    if len(named("forward")) != 1 or len(named("backward")) != 1:
+        raise ValueError(f"{step['name']} of {step['args'].get('sync')!r} on rank "
+                         f"{step['pid']} has {len(named('forward'))} forward and "
+                         f"{len(named('backward'))} backward spans: one of each expected "
+                         "(a trainer.bench trace)")
     forward, backward = named("forward")[0], named("backward")[0]
     tail = sum(e["dur"] for e in named("waiting on communication"))
     collectives = []
@@ -195,7 +200,7 @@ def _one_step(events, step) -> StepProfile:
     spans = [e for e in events if e["pid"] == step["pid"] and e["name"].startswith("bucket ")
              and bw_start <= e["ts"] - e["args"].get("queued_ms", 0) * 1e3 < hi]
     for e in sorted(spans, key=lambda e: int(e["name"].split()[1])):
-        inner = [c for c in _collectives_in(events, e)]
+        inner = _collectives_in(events, e)
         ready = e["ts"] - e["args"].get("queued_ms", 0) * 1e3 - bw_start
         work = e["dur"] - sum(c["dur"] for c in inner) if inner else 0.0
         buckets.append(Bucket(min(max(ready, 0.0), backward_compute) * US,
