@@ -242,3 +242,26 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
     assert len(modelled) == 5 * 3
     assert all(r["batch_size"] == 2 and r["step_ms"] > 0 for r in modelled)
     assert picture.stat().st_size > 0
+
+
+def test_nested_collectives_count_once(tmp_path):
+    """A hierarchical all-reduce runs ring all-reduces inside its own span: PowerSGD's
+    after_backward then sent the outer one's bytes, once, and its matrix work is the
+    moment less the outer span only."""
+    main = 1
+    write_trace(tmp_path, [
+        dict(name="step 1", cat="step", tid=main, ts=0, dur=1_000_000,
+             args=dict(step=1, sync="powersgd", batch=2)),
+        dict(name="forward", cat="compute", tid=main, ts=0, dur=100_000),
+        dict(name="backward", cat="compute", tid=main, ts=100_000, dur=500_000),
+        dict(name="after_backward", cat="wait", tid=main, ts=600_000, dur=300_000),
+        dict(name="all_reduce hierarchical", cat="comm", tid=main, ts=700_000, dur=50_000,
+             args=dict(bytes=4000)),
+        dict(name="all_reduce ring", cat="comm", tid=main, ts=710_000, dur=20_000,
+             args=dict(bytes=4000)),
+        dict(name="optimizer", cat="compute", tid=main, ts=900_000, dur=100_000),
+    ])
+    p = profile_from_trace(str(tmp_path))["powersgd"]
+    assert p.collectives == [("all_reduce", "hierarchical", 4000)]
+    assert p.moment_s == pytest.approx(0.25)
+    assert p.buckets == [] and p.writeback_s == 0

@@ -161,9 +161,13 @@ def _inside(events, lo, hi, tid=None, cat=None):
 
 
 def _collectives_in(events, span) -> List[dict]:
-    """Our collectives ("all_reduce ring", "broadcast native") inside a span, same thread."""
-    return [e for e in _inside(events, span["ts"], span["ts"] + span["dur"], span["tid"], "comm")
-            if e is not span and not e["name"].startswith("bucket")]
+    """Our collectives ("all_reduce ring", "broadcast native") inside a span, same thread;
+    the outermost only (a hierarchical all-reduce runs others inside its own span)."""
+    found = [e for e in _inside(events, span["ts"], span["ts"] + span["dur"], span["tid"], "comm")
+             if e is not span and not e["name"].startswith("bucket")]
+    return [e for e in found if not any(
+        o is not e and o["ts"] <= e["ts"] and e["ts"] + e["dur"] <= o["ts"] + o["dur"]
+        and (o["ts"], -o["dur"]) < (e["ts"], -e["dur"]) for o in found)]
 
 
 def _one_step(events, step) -> StepProfile:
@@ -374,7 +378,7 @@ def rows_for(profiles: Dict[str, StepProfile], syncs: List[str], ranks: List[int
                              reason=NOT_MODELLED.get(sync, "no model for this strategy")))
             continue
         scale = profile.compute_s / step_time if step_time else (compute_scale or 1.0)
-        images = batch or profile.batch
+        images = batch or profile.batch or 32  # trainer.bench's default
         for n in ranks:
             shape = Shape(n // per_host, per_host)
             result = simulate(profile, shape, constants, scale, period)
