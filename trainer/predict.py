@@ -496,6 +496,8 @@ def main(argv=None) -> int:
                else f"compute scale {args.compute_scale or 1.0:g}")
     print(f"# trainer.predict: {args.trace}, {args.ranks_per_host} ranks per host, {link}, "
           f"{scaling}, local SGD period {args.period}")
+    if batch == 32 and not args.batch_size:
+        print("# the trace does not say the batch: 32 images per rank assumed (--batch-size)")
     print_table(rows)
     if args.json:
         with open(args.json, "w") as out:
