@@ -184,6 +184,19 @@ def test_command_errors_are_one_line(tmp_path, capsys):
         assert message in err and "Traceback" not in err, err
 
 
+def test_a_strategy_not_modelled_says_so_and_gives_no_number(tmp_path, capsys):
+    hand_made_trace(tmp_path, sync="ddp-powersgd")
+    constants = tmp_path / "c.json"
+    constants.write_text(json.dumps({"constants": link_only().as_dict()}))
+    rows_file = tmp_path / "rows.jsonl"
+    assert predict.main(["--trace", str(tmp_path), "--constants", str(constants),
+                         "--ranks", "8", "--json", str(rows_file)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].split()[:3] == ["ddp-powersgd", "not", "modelled:"], out
+    (row,) = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert row["modelled"] is False and "step_ms" not in row and row["reason"]
+
+
 def test_the_command_on_a_hand_made_trace(tmp_path, capsys):
     hand_made_trace(tmp_path)
     constants = tmp_path / "c.json"
@@ -202,10 +215,12 @@ def test_the_command_on_a_hand_made_trace(tmp_path, capsys):
 @pytest.mark.timeout(300)
 def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
     """trainer.bench traces 2 ranks of ResNet-18 (batch 2, one step each); the
-    prediction has a row per modelled strategy and rank count, and says which one it
-    does not model."""
+    prediction has a row per strategy and rank count."""
     trace_dir = tmp_path / "trace"
-    syncs = "allreduce,bf16,powersgd,local-sgd,ddp,ddp-powersgd"
+    # (not ddp-powersgd: torch's hook launches P and Q from its futures' callbacks, and
+    # with two buckets in flight the ranks' gloo collectives can then come in different
+    # orders: "Received data size doesn't match" aborts the run now and then)
+    syncs = "allreduce,bf16,powersgd,local-sgd,ddp,ddp-bf16"
     bench = subprocess.run(
         [sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync", syncs,
          "--batch-size", "2", "--steps", "1", "--rounds", "1", "--warmup", "1",
@@ -231,15 +246,12 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     for sync in syncs.split(","):
-        if sync == "ddp-powersgd":
-            assert any(line.split()[:3] == [sync, "not", "modelled:"] for line in lines)
-            continue
         for ranks in (8, 64, 256):
             assert any(line.split()[:2] == [sync, str(ranks)] for line in lines), \
                 (sync, ranks, result.stdout)
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     modelled = [r for r in rows if r["modelled"]]
-    assert len(modelled) == 5 * 3
+    assert len(modelled) == len(rows) == 6 * 3
     assert all(r["batch_size"] == 2 and r["step_ms"] > 0 for r in modelled)
     assert picture.stat().st_size > 0
 
