@@ -217,9 +217,9 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
     """trainer.bench traces 2 ranks of ResNet-18 (batch 2, one step each); the
     prediction has a row per strategy and rank count."""
     trace_dir = tmp_path / "trace"
-    # (not ddp-powersgd: torch's hook launches P and Q from its futures' callbacks, and
-    # with two buckets in flight the ranks' gloo collectives can then come in different
-    # orders: "Received data size doesn't match" aborts the run now and then)
+    # (not ddp-powersgd: traced beside another sync it aborted some runs here with
+    # gloo's "Received data size doesn't match expected size", a collective order
+    # mismatch between the ranks; untraced, or alone, it passed. Cause not found.)
     syncs = "allreduce,bf16,powersgd,local-sgd,ddp,ddp-bf16"
     bench = subprocess.run(
         [sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync", syncs,
