@@ -15,6 +15,8 @@ The loop (trainer/loop/), what `python -m trainer` runs:
 The study around it (here), what the loop is measured and compared with:
     bench.py        `python -m trainer.bench`: throughput of each sync strategy beside
                     torch's DDP, timed over the same steps
+    predict.py      `python -m trainer.predict`: a bench trace's step replayed on the
+                    cost model, for clusters we do not have (docs/model.md)
     compare.py      `python -m trainer.compare`: runs the loop once per strategy, under
                     any launcher or on the emulated cluster, and tabulates accuracy
                     against time and bytes

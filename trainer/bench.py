@@ -141,7 +141,7 @@ class Variant:
             self.strategy.after_step(self.model, self.steps_done)
         self.optimizer.zero_grad()
         trace.add(f"step {self.steps_done}", "step", started, time.perf_counter_ns(),
-                  step=self.steps_done, sync=self.name)
+                  step=self.steps_done, sync=self.name, batch=len(self.labels))
 
     def warm_up(self):
         """The untimed steps (allocations, connections, bucket rebuilds), drained: the

@@ -1,0 +1,279 @@
+"""trainer.predict: the step simulator against hand computations, the trace reader on a
+hand-made trace, the command's errors, and one end-to-end run on a real tiny trace."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from collectives.algorithms import fastest
+from collectives.algorithms.costs import WIRE_EFFICIENCY, Constants, Route, Shape
+from trainer import predict
+from trainer.predict import Bucket, StepProfile, profile_from_trace, simulate
+
+RATE = 1e9  # bytes/s: the link in the hand computations
+SECONDS_PER_BYTE = 1 / (RATE * WIRE_EFFICIENCY)
+TWO_HOSTS = Shape(2, 1)  # one rank each: every message crosses the link
+
+
+def link_only() -> Constants:
+    """No latency, no reduction cost, no overheads: only the link's rate. On two hosts
+    the best all-reduce of K bytes (ring or halving-doubling: K/2 each way, twice)
+    then takes exactly K / (rate x wire efficiency)."""
+    zero = Route(0.0, 0.0)
+    return Constants(local=zero, network=zero, gamma=0.0, overhead=0.0,
+                     native_overhead=0.0).with_link(RATE, 0.0)
+
+
+def profile(**fields) -> StepProfile:
+    base = dict(sync="allreduce", forward_s=0.1, backward_s=0.5, optimizer_s=0.05)
+    base.update(fields)
+    return StepProfile(**base)
+
+
+def test_one_bucket_waits_what_the_link_takes():
+    """A bucket of K bytes ready at t into backward: it ends at t + K/rate; backward's
+    compute ends at 0.5, so the training thread waits the rest."""
+    nbytes, ready = 100e6, 0.45
+    result = simulate(profile(buckets=[Bucket(ready, nbytes)]), TWO_HOSTS, link_only())
+    comm = nbytes * SECONDS_PER_BYTE  # 0.1046 s
+    waited = ready + comm - 0.5
+    assert waited > 0
+    assert result.waited_s == pytest.approx(waited, rel=1e-9)
+    assert result.step_s == pytest.approx(0.1 + 0.5 + waited + 0.05, rel=1e-9)
+    assert result.compute_s == pytest.approx(0.65)
+
+
+def test_a_bucket_done_before_backward_ends_costs_nothing():
+    result = simulate(profile(buckets=[Bucket(0.1, 10e6)]), TWO_HOSTS, link_only())
+    assert result.waited_s == 0
+    assert result.step_s == pytest.approx(0.65)
+
+
+def test_buckets_queue_behind_each_other():
+    """Two buckets ready at once: the second starts when the first ends."""
+    nbytes = 200e6
+    comm = nbytes * SECONDS_PER_BYTE
+    result = simulate(profile(buckets=[Bucket(0.1, nbytes), Bucket(0.1, nbytes)]),
+                      TWO_HOSTS, link_only())
+    assert result.waited_s == pytest.approx(0.1 + 2 * comm - 0.5, rel=1e-9)
+    alone = simulate(profile(buckets=[Bucket(0.1, nbytes)]), TWO_HOSTS, link_only())
+    assert alone.waited_s == pytest.approx(max(0.0, 0.1 + comm - 0.5))
+
+
+def test_bucket_work_and_half_bytes_for_bf16():
+    nbytes, work = 400e6, 0.02
+    result = simulate(profile(sync="bf16", buckets=[Bucket(0.3, nbytes, work)]),
+                      TWO_HOSTS, link_only())
+    assert result.waited_s == pytest.approx(0.3 + work + nbytes / 2 * SECONDS_PER_BYTE - 0.5)
+
+
+def test_compute_scale_scales_compute_only():
+    """Twice as fast a device: every compute figure halves, the link's time does not."""
+    nbytes = 100e6
+    comm = nbytes * SECONDS_PER_BYTE
+    p = profile(buckets=[Bucket(0.45, nbytes, 0.01)], writeback_s=0.02, moment_s=0.04)
+    result = simulate(p, TWO_HOSTS, link_only(), scale=2.0)
+    ready, work, end_of_backward = 0.45 / 2, 0.01 / 2, 0.5 / 2
+    waited = ready + work + comm - end_of_backward
+    assert result.waited_s == pytest.approx(waited, rel=1e-9)
+    assert result.compute_s == pytest.approx(0.65 / 2)
+    assert result.step_s == pytest.approx((0.1 + 0.5 + 0.02 + 0.04 + 0.05) / 2 + waited,
+                                          rel=1e-9)
+
+
+def test_local_sgd_amortises_its_averaging_over_its_period():
+    nbytes = 50e6
+    average = nbytes * SECONDS_PER_BYTE
+    p = profile(sync="local-sgd", buckets=[Bucket(0.2, nbytes)], averaging_bytes=int(nbytes))
+    for period in (1, 4, 8):
+        result = simulate(p, TWO_HOSTS, link_only(), period=period)
+        assert result.waited_s == pytest.approx(average / period, rel=1e-9)  # buckets: free
+        assert result.step_s == pytest.approx(0.65 + average / period, rel=1e-9)
+
+
+def test_powersgd_waits_for_its_all_reduces_on_the_training_thread():
+    sizes = [40e3, 40e3, 250e3]
+    p = profile(sync="powersgd", moment_s=0.3,
+                collectives=[("all_reduce", "ring", int(n)) for n in sizes])
+    result = simulate(p, TWO_HOSTS, link_only())
+    assert result.waited_s == pytest.approx(sum(sizes) * SECONDS_PER_BYTE, rel=1e-9)
+    assert result.step_s == pytest.approx(0.65 + 0.3 + result.waited_s)
+
+
+def test_torch_ddp_uses_gloos_own_all_reduce():
+    p = profile(sync="ddp", buckets=[Bucket(0.4, 300e6)])
+    assert simulate(p, TWO_HOSTS, link_only()).algorithms == ("native",)
+    ours = simulate(profile(buckets=[Bucket(0.4, 300e6)]), TWO_HOSTS, link_only())
+    assert ours.algorithms == (fastest("all_reduce", 300e6, TWO_HOSTS, link_only()),)
+
+
+def write_trace(directory, events):
+    """A merged trace of one rank's events (timestamps in microseconds)."""
+    full = [{"ph": "X", "pid": 0, "args": {}, **e} for e in events]
+    (directory / "trace.json").write_text(json.dumps({"traceEvents": full}))
+
+
+def hand_made_trace(directory, sync="allreduce"):
+    """forward 0-100 ms, backward 100-700 (its last 150 ms waiting), one bucket of 2e8
+    bytes ready at 400 ms (queued 50 ms), its all-reduce 70 ms within 80, optimizer 30."""
+    main, comm = 1, 2
+    write_trace(directory, [
+        dict(name="step 1", cat="step", tid=main, ts=0, dur=760_000,
+             args=dict(step=1, sync=sync, batch=4)),
+        dict(name="forward", cat="compute", tid=main, ts=0, dur=100_000),
+        dict(name="broadcast native", cat="comm", tid=main, ts=1_000, dur=2_000,
+             args=dict(bytes=1000)),
+        dict(name="backward", cat="compute", tid=main, ts=100_000, dur=600_000),
+        dict(name="bucket 0", cat="comm", tid=comm, ts=450_000, dur=80_000,
+             args=dict(bytes=200_000_000, queued_ms=50.0)),
+        dict(name="all_reduce ring", cat="comm", tid=comm, ts=455_000, dur=70_000,
+             args=dict(bytes=200_000_000)),
+        dict(name="waiting on communication", cat="wait", tid=main, ts=550_000, dur=150_000),
+        dict(name="after_backward", cat="wait", tid=main, ts=700_000, dur=10_000),
+        dict(name="optimizer", cat="compute", tid=main, ts=710_000, dur=30_000),
+        dict(name="after_step", cat="wait", tid=main, ts=740_000, dur=0),
+    ])
+
+
+def test_profile_from_a_hand_made_trace(tmp_path):
+    hand_made_trace(tmp_path)
+    p = profile_from_trace(str(tmp_path))["allreduce"]
+    assert p.forward_s == pytest.approx(0.098)        # less the buffer broadcast
+    assert p.collectives == [("broadcast", "native", 1000)]
+    assert p.backward_s == pytest.approx(0.45)        # 600 ms less the 150 ms tail
+    assert len(p.buckets) == 1
+    assert p.buckets[0].ready_s == pytest.approx(0.3)  # 450 - 50 queued - 100 start
+    assert p.buckets[0].nbytes == 200_000_000
+    assert p.buckets[0].work_s == pytest.approx(0.01)  # 80 ms span, 70 of all-reduce
+    assert p.writeback_s == pytest.approx(0.15)        # last gradient at 550, backward 700
+    assert p.moment_s == pytest.approx(0.01)
+    assert p.optimizer_s == pytest.approx(0.03)
+    assert p.batch == 4 and p.averaging_bytes == 200_000_000
+    # and replayed on the link: the bucket ends at 0.3 + 0.01 + K/rate after backward's
+    # start; backward's compute ends at 0.45; the broadcast goes out in the forward
+    result = simulate(p, TWO_HOSTS, link_only())
+    waited = 0.3 + 0.01 + 2e8 * SECONDS_PER_BYTE - 0.45
+    assert waited > 0
+    broadcast = result.waited_s - waited
+    assert 0 < broadcast < 1e-5
+    assert result.step_s == pytest.approx(0.098 + 0.45 + 0.15 + 0.01 + 0.03 + waited
+                                          + broadcast, rel=1e-9)
+
+
+def test_command_errors_are_one_line(tmp_path, capsys):
+    constants = tmp_path / "c.json"
+    constants.write_text(json.dumps({"constants": link_only().as_dict()}))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    traced = tmp_path / "traced"
+    traced.mkdir()
+    hand_made_trace(traced)
+    cases = [
+        (["--trace", str(empty)], "no trace.json"),
+        (["--trace", str(traced), "--sync", "bf16"], "not in the trace"),
+        (["--trace", str(traced), "--ranks", "8,12", "--ranks-per-host", "8"],
+         "not a multiple of --ranks-per-host"),
+        (["--trace", str(traced), "--ranks", "8,x"], "bad --ranks"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exit:
+            predict.main(argv + ["--constants", str(constants)])
+        assert exit.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+
+
+def test_a_strategy_not_modelled_says_so_and_gives_no_number(tmp_path, capsys):
+    hand_made_trace(tmp_path, sync="ddp-powersgd")
+    constants = tmp_path / "c.json"
+    constants.write_text(json.dumps({"constants": link_only().as_dict()}))
+    rows_file = tmp_path / "rows.jsonl"
+    assert predict.main(["--trace", str(tmp_path), "--constants", str(constants),
+                         "--ranks", "8", "--json", str(rows_file)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1].split()[:3] == ["ddp-powersgd", "not", "modelled:"], out
+    (row,) = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert row["modelled"] is False and "step_ms" not in row and row["reason"]
+
+
+def test_the_command_on_a_hand_made_trace(tmp_path, capsys):
+    hand_made_trace(tmp_path)
+    constants = tmp_path / "c.json"
+    constants.write_text(json.dumps({"constants": link_only().as_dict()}))
+    rows_file = tmp_path / "rows.jsonl"
+    assert predict.main(["--trace", str(tmp_path), "--constants", str(constants),
+                         "--ranks", "2,4", "--ranks-per-host", "1", "--step-time", "0.29",
+                         "--json", str(rows_file)]) == 0
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    assert [(r["sync"], r["ranks"]) for r in rows] == [("allreduce", 2), ("allreduce", 4)]
+    assert rows[0]["compute_ms"] == pytest.approx(290)  # 0.098 + 0.45 + 0.03, scaled to 0.29 s
+    assert rows[0]["images_per_s"] == pytest.approx(2 * 4 / (rows[0]["step_ms"] / 1e3))
+    assert "allreduce" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(300)
+def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
+    """trainer.bench traces 2 ranks of ResNet-18 (batch 2, one step each); the
+    prediction has a row per strategy and rank count."""
+    trace_dir = tmp_path / "trace"
+    # (not ddp-powersgd: traced beside another sync it aborted some runs here with
+    # gloo's "Received data size doesn't match expected size", a collective order
+    # mismatch between the ranks; untraced, or alone, it passed. Cause not found.)
+    syncs = "allreduce,bf16,powersgd,local-sgd,ddp,ddp-bf16"
+    bench = subprocess.run(
+        [sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync", syncs,
+         "--batch-size", "2", "--steps", "1", "--rounds", "1", "--warmup", "1",
+         "--trace-steps", "1", "--trace", str(trace_dir)],
+        capture_output=True, text=True, timeout=240)
+    assert bench.returncode == 0, bench.stderr[-3000:]
+    # PowerSGD's all-reduces, as traced, are the ones its layout gives for ResNet-18
+    from trainer.loop.models import build_model
+    traced = profile_from_trace(str(trace_dir))["powersgd"].collectives
+    assert [n for what, _, n in traced if what == "all_reduce"] == list(
+        predict.powersgd_bytes(build_model("resnet18", 1, 10, 28), rank=2))
+    constants = tmp_path / "c.json"
+    constants.write_text(json.dumps({"constants": {
+        "local": {"alpha": 2e-5, "beta": 2e-10}, "network": {"alpha": 5e-5, "beta": 8.5e-10},
+        "gamma": 2e-10, "overhead": 1e-5, "native_overhead": 3e-5, "link_rate": 1.25e9,
+        "transport": "gloo"}}))
+    rows_file, picture = tmp_path / "rows.jsonl", tmp_path / "scaling.png"
+    result = subprocess.run(
+        [sys.executable, "-m", "trainer.predict", "--trace", str(trace_dir), "--constants",
+         str(constants), "--ranks", "8,64,256", "--ranks-per-host", "8", "--bandwidth",
+         "25gbit", "--latency", "10us", "--json", str(rows_file), "--plot", str(picture)],
+        capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    for sync in syncs.split(","):
+        for ranks in (8, 64, 256):
+            assert any(line.split()[:2] == [sync, str(ranks)] for line in lines), \
+                (sync, ranks, result.stdout)
+    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    modelled = [r for r in rows if r["modelled"]]
+    assert len(modelled) == len(rows) == 6 * 3
+    assert all(r["batch_size"] == 2 and r["step_ms"] > 0 for r in modelled)
+    assert picture.stat().st_size > 0
+
+
+def test_nested_collectives_count_once(tmp_path):
+    """A hierarchical all-reduce runs ring all-reduces inside its own span: PowerSGD's
+    after_backward then sent the outer one's bytes, once, and its matrix work is the
+    moment less the outer span only."""
+    main = 1
+    write_trace(tmp_path, [
+        dict(name="step 1", cat="step", tid=main, ts=0, dur=1_000_000,
+             args=dict(step=1, sync="powersgd", batch=2)),
+        dict(name="forward", cat="compute", tid=main, ts=0, dur=100_000),
+        dict(name="backward", cat="compute", tid=main, ts=100_000, dur=500_000),
+        dict(name="after_backward", cat="wait", tid=main, ts=600_000, dur=300_000),
+        dict(name="all_reduce hierarchical", cat="comm", tid=main, ts=700_000, dur=50_000,
+             args=dict(bytes=4000)),
+        dict(name="all_reduce ring", cat="comm", tid=main, ts=710_000, dur=20_000,
+             args=dict(bytes=4000)),
+        dict(name="optimizer", cat="compute", tid=main, ts=900_000, dur=100_000),
+    ])
+    p = profile_from_trace(str(tmp_path))["powersgd"]
+    assert p.collectives == [("all_reduce", "hierarchical", 4000)]
+    assert p.moment_s == pytest.approx(0.25)
+    assert p.buckets == [] and p.writeback_s == 0
