@@ -36,16 +36,18 @@ HAND_WORKED = [
     # halving-doubling, 4 ranks: distance 2 swaps 2e6 bytes each way twice (3.1e-3)
     # and reduces 2e6; distance 1 swaps 1e6 twice (2.1e-3) and reduces 1e6
     ("halving-doubling", 4e6, Shape(1, 4), 2 * 3.1e-3 + 2e-4 + 2 * 2.1e-3 + 1e-4),
-    # hierarchical 2 x 2, 1e6 bytes (one chunk): reduce-scatter inside (1e-3 + 1e-4 +
-    # 5e5 x 1e-9, + 5e5 x 1e-10 reduced), two rings of 5e5 bytes sharing each link
-    # (1e-2 + 1e-4 + 2.5e5 x 2e-8 per step, + 2.5e5 x 1e-10 reduced), all-gather inside
-    ("hierarchical", 1e6, Shape(2, 2), (1.6e-3 + 5e-5) + (2 * 1.51e-2 + 2.5e-5) + 1.6e-3),
+    # hierarchical 2 x 2, 1e6 bytes (one chunk): its own 1e-4 once, reduce-scatter
+    # inside (1e-3 + 1e-4 + 5e5 x 1e-9, + 5e5 x 1e-10 reduced), two rings of 5e5 bytes
+    # sharing each link (1e-2 + 1e-4 + 2.5e5 x 2e-8 per step, + 2.5e5 x 1e-10 reduced),
+    # all-gather inside
+    ("hierarchical", 1e6, Shape(2, 2),
+     1e-4 + (1.6e-3 + 5e-5) + (2 * 1.51e-2 + 2.5e-5) + 1.6e-3),
     # naive on 3 hosts of 1: rank 0 receives twice (2.01e-2 + 1e-4 reduced each), then
     # sends to both at once: its link carries 2e6 bytes (1e-2 + 2e-2), 2 overheads
     ("naive", 1e6, Shape(3, 1), 2 * (2.01e-2 + 1e-4) + (2 * 1e-4 + 3e-2)),
-    # the backend's own, 2 ranks on a host: its own route, no overhead of ours, one
-    # message per step: (2e-3 + 1e6 x 2e-9) twice + 1e6 x 1e-10 reduced
-    ("native", 2e6, Shape(1, 2), 2 * 4e-3 + 1e-4),
+    # the backend's own, 2 ranks on a host: its own route, one message per step:
+    # (2e-3 + 1e-4 + 1e6 x 2e-9) twice + 1e6 x 1e-10 reduced
+    ("native", 2e6, Shape(1, 2), 2 * 4.1e-3 + 1e-4),
 ]
 
 
@@ -75,10 +77,14 @@ def test_segments_add_a_message_each():
 
 
 def test_overheads_per_algorithm():
-    mine = Constants(**{**C.__dict__, "overhead": {"default": 1e-4, "tree": 0.0}})
+    mine = Constants(**{**C.__dict__, "overhead": {"default": 1e-4, "tree": 0.0,
+                                                   "ring@network": 5e-4}})
     assert COSTS["all_reduce"]["tree"](1e6, Shape(1, 8), mine) == pytest.approx(
         3 * 2.1e-3 + 3 * 2.0e-3)
     assert mine.per_message("ring") == 1e-4
+    assert mine.per_message("ring", network=True) == 5e-4
+    assert mine.per_message("tree", network=True) == 0.0
+    assert mine.per_message("naive", network=True) == 1e-4
 
 
 def test_another_link_keeps_the_hosts_share():
@@ -136,9 +142,11 @@ def synthetic_points(truth, noise, seed=0):
 def test_fit_recovers_known_constants_from_noisy_timings():
     points = synthetic_points(TRUTH, noise=0.03)
     fitted, measured = calibration.fit(points)
-    # 2 x 2 touches every constant but the backend's own route inside a host: its ring
-    # crosses hosts at every step, so the network decides every one of them
-    assert set(measured) == set(calibration.PARAMETERS) - {"native.alpha", "native.beta"}
+    # 2 x 2 touches every constant but the backend's own route inside a host (its ring
+    # crosses hosts at every step, so the network decides every one of them) and the
+    # hierarchy's overhead inside a host (it is paid once per call, counted as across)
+    assert set(measured) == set(calibration.PARAMETERS) - {
+        "native.alpha", "native.beta", "overhead.native", "overhead.hierarchical"}
     # The bandwidths dominate big messages and come back closely; the network's latency too.
     assert fitted.network.beta == pytest.approx(TRUTH.network.beta, rel=0.05)
     assert fitted.local.beta == pytest.approx(TRUTH.local.beta, rel=0.25)
@@ -244,3 +252,21 @@ def test_predict_refuses_bad_input(tmp_path, capsys):
         capsys, "--constants", str(tmp_path / "none.json"), "--hosts", "2", "--size", "1M")
     assert "--hosts and --ranks-per-host must be at least 1" in predict_error(
         capsys, "--constants", str(out), "--hosts", "0", "--size", "1M")
+
+
+def test_a_shaped_link_passes_its_bucket_at_once_but_not_more_than_its_rate():
+    wire = wire_beta(12.5e6)  # 100 Mbit/s
+    bucket = 128 << 10
+    shaped = Constants(local=Route(0.0, 1e-10), network=Route(0.0, wire), gamma=0.0,
+                       overhead={"default": 0.0}, native=Route(0.0, 1e-10),
+                       link_rate=12.5e6, burst=bucket)
+    tree = COSTS["all_reduce"]["tree"]
+    # 1 MiB up the tree and back down, 2 hosts: each level starts on a rested link and
+    # passes its bucket at once: 2 (K - bucket) at the wire's pace
+    assert tree(1 << 20, Shape(2, 1), shaped) == pytest.approx(2 * ((1 << 20) - bucket) * wire)
+    # 64 KiB fits the bucket twice over, but calls back to back leave it no time to
+    # fill: each link carries 64 KiB each way per call, at its rate
+    assert tree(64 << 10, Shape(2, 1), shaped) == pytest.approx((64 << 10) * wire)
+    # a real NIC's link (no bucket) and the same rate: both transfers at the wire's pace
+    assert tree(1 << 20, Shape(2, 1), shaped.with_link(12.5e6)) == pytest.approx(
+        2 * (1 << 20) * wire)

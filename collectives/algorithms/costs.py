@@ -15,10 +15,25 @@ host numbered together):
     network  between hosts: a host's link, each way; f streams that leave one host
              at once share it, so each moves at 1/f of its rate: alpha + f K beta
 
-`overhead` is what each message costs our Python code on top of the route (posting
-it, waking the thread that waits on it), per algorithm: a ring step posts a receive,
-a send and a forward, a tree level one receive (NCCL's tuner, too, keeps a base
-latency per algorithm). The backend's own collectives (`native`) pay
+`overhead` is what each message costs the algorithm's code on top of the route
+(posting it, waking the thread that waits on it), per algorithm and route: a ring step posts a
+receive, a send and a forward, a tree level one receive, and over TCP a message whose
+receive was posted just in time waits for the receiver's notice to cross the link
+first (NCCL's tuner, too, keeps a base latency per algorithm and per kind of link).
+
+However the messages fall, no link carries more than its rate allows: a call takes at
+least the bytes its busiest link carries in one direction times beta (`link_bound`),
+and each algorithm's cost is the larger of its steps' sum and that bound. The bound
+decides when links are slow; the steps when they are fast or the messages small.
+
+A shaped link (the emulated cluster's tbf) holds a bucket of `burst` bytes: after
+being idle, it passes that many at once before its rate applies. A call saves the
+wire's time for those bytes once per stretch of traffic on a link (`burst_saving`):
+once for a ring, whose links stay busy from its first step to its last, once per level
+for a tree, whose links rest between levels. Calls back to back leave the bucket no
+time to fill, which the bound above keeps honest. A real NIC has no bucket: 0.
+Keys: "ring" (inside a host, and between hosts unless "ring@network" is given),
+"default" and "default@network" for the rest. The backend's own collectives (`native`) pay
 no such overhead, and inside a host they take their own route (`native`: gloo's TCP
 over loopback where ours goes through shared memory). A step whose ranks use both
 routes at once (a ring step where one pair crosses hosts and the others do not) lasts
@@ -56,18 +71,36 @@ class Constants:
     local: Route             # between ranks of one host
     network: Route           # between hosts, per host link and direction
     gamma: float             # seconds per reduced byte
-    overhead: Dict[str, float]  # our own seconds per message, per algorithm ("default")
+    overhead: Dict[str, float]  # our own seconds per message: "ring", "ring@network", ...
     native: Route            # the backend's own collectives, between ranks of one host
     link_rate: float = 0.0   # bytes/s of the link `network` was measured on (0: unshaped)
+    burst: float = 0.0       # bytes an idle shaped link passes at once (0: a real NIC)
     transport: str = ""      # what it was measured on ("gloo+shm", ...)
 
-    def per_message(self, algorithm: str) -> float:
-        """Our own seconds per message of `algorithm` (the "default" entry otherwise)."""
-        return self.overhead.get(algorithm, self.overhead.get("default", 0.0))
+    def per_message(self, algorithm: str, network: bool = False) -> float:
+        """Seconds per message that `algorithm` adds to the route, inside a host or
+        between hosts ("native": the backend's own collectives, which add their own)."""
+        keys = [algorithm, "default"]
+        if network:
+            keys = [f"{algorithm}@network", "default@network"] + keys
+        return next((self.overhead[key] for key in keys if key in self.overhead), 0.0)
 
-    def with_link(self, rate: float = 0.0, latency: float = 0.0) -> "Constants":
+    def link_bound(self, link_bytes: float) -> float:
+        """The least time for a call whose busiest link carries `link_bytes` one way."""
+        return link_bytes * self.network.beta
+
+    def burst_saving(self, link_bytes: float) -> float:
+        """Seconds a transfer of `link_bytes` over an idle shaped link saves: its bucket's
+        bytes do not wait for the wire's rate."""
+        if not self.burst or not self.link_rate:
+            return 0.0
+        return min(self.burst, link_bytes) * min(wire_beta(self.link_rate), self.network.beta)
+
+    def with_link(self, rate: float = 0.0, latency: float = 0.0,
+                  burst: float = 0.0) -> "Constants":
         """The same machine on another network: a link of `rate` bytes/s each way
-        (0: keep the measured one) and `latency` seconds more per message.
+        (0: keep the measured one, and its bucket), `latency` seconds more per message,
+        and a bucket of `burst` bytes (0: a real NIC's link, none).
 
         The measured beta is the wire's share (1 / (link_rate x WIRE_EFFICIENCY)) plus
         what the hosts spend per byte (copies, the TCP stack); the hosts' share is kept
@@ -76,7 +109,8 @@ class Constants:
         if rate:
             host_share = beta - wire_beta(self.link_rate) if self.link_rate else 0.0
             beta = max(host_share, 0.0) + wire_beta(rate)
-        return replace(self, network=Route(alpha, beta), link_rate=rate or self.link_rate)
+        return replace(self, network=Route(alpha, beta), link_rate=rate or self.link_rate,
+                       burst=burst if rate else self.burst)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -120,9 +154,11 @@ class Shape:
     def host(self, rank: int) -> int:
         return rank // self.ranks_per_host
 
-    def pairs_step(self, pairs, nbytes: float, c: Constants, overhead: float) -> float:
-        """One step in which every (sender, receiver) pair moves `nbytes` at once:
-        the slowest message, streams leaving one host sharing its link."""
+    def pairs_step(self, pairs, nbytes: float, c: Constants, algorithm: str,
+                   idle_link: bool = False) -> float:
+        """One step of `algorithm` in which every (sender, receiver) pair moves `nbytes`
+        at once: the slowest message, streams leaving one host sharing its link
+        (`idle_link`: the links rested before it, so their buckets are full)."""
         leaving = {}
         crossing = False
         for sender, receiver in pairs:
@@ -130,8 +166,23 @@ class Shape:
                 crossing = True
                 leaving[self.host(sender)] = leaving.get(self.host(sender), 0) + 1
         if crossing:
-            return overhead + c.network.message(nbytes, max(leaving.values()))
-        return overhead + c.local.message(nbytes)
+            streams = max(leaving.values())
+            saving = c.burst_saving(streams * nbytes) if idle_link else 0.0
+            return (c.per_message(algorithm, network=True)
+                    + c.network.message(nbytes, streams) - saving)
+        return c.per_message(algorithm) + c.local.message(nbytes)
+
+    def link_bytes(self, steps) -> float:
+        """The bytes the busiest host link carries in one direction over `steps`, each
+        (pairs of (sender, receiver), bytes per pair)."""
+        out, into = {}, {}
+        for pairs, nbytes in steps:
+            for sender, receiver in pairs:
+                a, b = self.host(sender), self.host(receiver)
+                if a != b:
+                    out[a] = out.get(a, 0.0) + nbytes
+                    into[b] = into.get(b, 0.0) + nbytes
+        return max(list(out.values()) + list(into.values()) + [0.0])
 
     def route(self, crosses_hosts: bool, c: Constants) -> Route:
         return c.network if crosses_hosts and self.hosts > 1 else c.local

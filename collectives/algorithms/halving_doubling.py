@@ -91,23 +91,27 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
 
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """The formula of the module's notes, evaluated (see costs.py): each exchange is a
-    step in which every pair swaps its share both ways at once."""
+    step in which every pair swaps its share both ways at once. The links stay busy
+    through the call (their bucket counts once, on the first step)."""
     n = shape.world_size
     if n == 1:
         return 0.0
     p = 1 << (n.bit_length() - 1)
     extra = n - p
     real = [new * 2 + 1 if new < extra else new + extra for new in range(p)]
-    o = c.per_message("halving-doubling")
-    seconds = 0.0
+    name = "halving-doubling"
+    steps = []  # (pairs, bytes each, bytes reduced)
     if extra:  # the fold and the hand-back: the even ranks' whole buffer, there and back
         fold = [(2 * i, 2 * i + 1) for i in range(extra)]
-        seconds += shape.pairs_step(fold, nbytes, c, o) + nbytes * c.gamma
-        seconds += shape.pairs_step([(b, a) for a, b in fold], nbytes, c, o)
+        steps.append((fold, nbytes, nbytes))
     distance = p // 2
     while distance >= 1:  # halving, then the same exchanges again doubling
         pairs = [(real[v], real[v ^ distance]) for v in range(p)]
-        share = nbytes * distance / p
-        seconds += 2 * shape.pairs_step(pairs, share, c, o) + share * c.gamma
+        steps.append((pairs, nbytes * distance / p, nbytes * distance / p))
+        steps.append((pairs, nbytes * distance / p, 0.0))
         distance //= 2
-    return seconds
+    if extra:
+        steps.append(([(b, a) for a, b in fold], nbytes, 0.0))
+    seconds = sum(shape.pairs_step(pairs, size, c, name, idle_link=index == 0)
+                  + reduced * c.gamma for index, (pairs, size, reduced) in enumerate(steps))
+    return max(seconds, c.link_bound(shape.link_bytes((pairs, size) for pairs, size, _ in steps)))

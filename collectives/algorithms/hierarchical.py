@@ -215,16 +215,20 @@ def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     rings of k/L bytes across hosts at once, sharing each host's link (t2), phase 3 a
     ring all-gather inside the host (t3). The local thread runs phases 1 and 3 of every
     chunk, the network thread phase 2, so with c chunks the slower of the two sets the
-    pace: t1 + t2 + t3 + (c - 1) max(t2, t1 + t3)."""
+    pace: t1 + t2 + t3 + (c - 1) max(t2, t1 + t3). The phases are the ring's code, with
+    its per-message costs; the hierarchy's own (groups, the second thread, handing
+    chunks over) is paid once per call: the "hierarchical" overhead."""
     hosts, local = shape.hosts, shape.ranks_per_host
     if hosts == 1 or local == 1:
         return ring.cost(nbytes, shape, c)
     chunks = max(1, min(MAX_CHUNKS, int(nbytes) // PIPELINE_CHUNK_BYTES))
     chunk = nbytes / chunks
     inside = Shape(1, local)
-    o = c.per_message("hierarchical")
-    t1 = ring.reduce_scatter_cost(chunk, inside, c, overhead=o)
-    t3 = ring.all_gather_cost(chunk, inside, c, overhead=o)
+    t1 = ring.reduce_scatter_cost(chunk, inside, c)
+    t3 = ring.all_gather_cost(chunk, inside, c)
     shared_link = replace(c, network=Route(c.network.alpha, c.network.beta * local))
-    t2 = ring.cost(chunk / local, Shape(hosts, 1), shared_link, overhead=o)
-    return t1 + t2 + t3 + (chunks - 1) * max(t2, t1 + t3)
+    t2 = ring.cost(chunk / local, Shape(hosts, 1), shared_link, idle_link=False)
+    link_bytes = 2 * (hosts - 1) / hosts * nbytes  # the whole call's, each way
+    pipeline = t1 + t2 + t3 + (chunks - 1) * max(t2, t1 + t3) - c.burst_saving(link_bytes)
+    return max(c.per_message("hierarchical", network=True) + pipeline,
+               c.link_bound(link_bytes))

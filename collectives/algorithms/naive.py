@@ -49,12 +49,19 @@ def broadcast_cost(nbytes: float, shape: Shape, c: Constants) -> float:
     if n == 1:
         return 0.0
     inside = c.local.message(nbytes, local - 1) if local > 1 else 0.0
-    across = c.network.message(nbytes, n - local) if shape.hosts > 1 else 0.0
-    return (n - 1) * c.per_message("naive") + max(inside, across)
+    across = 0.0
+    if shape.hosts > 1:  # rank 0's link, idle before: its bucket counts once
+        across = c.network.message(nbytes, n - local) - c.burst_saving((n - local) * nbytes)
+    seconds = (n - 1) * c.per_message("naive", shape.hosts > 1) + max(inside, across)
+    return max(seconds, c.link_bound((n - local) * nbytes if shape.hosts > 1 else 0.0))
 
 
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """All-reduce: 2 (n-1) (alpha + K beta) + (n-1) K gamma, rank 0 receiving one by one"""
-    gather = sum(c.per_message("naive") + shape.route(shape.host(peer) != 0, c).message(nbytes)
+    gather = sum(c.per_message("naive", shape.host(peer) != 0)
+                 + shape.route(shape.host(peer) != 0, c).message(nbytes)
                  + nbytes * c.gamma for peer in range(1, shape.world_size))
+    if shape.hosts > 1:  # rank 0's link, idle before the first message from afar
+        afar = (shape.world_size - shape.ranks_per_host) * nbytes
+        gather = max(gather - c.burst_saving(afar), c.link_bound(afar))
     return gather + broadcast_cost(nbytes, shape, c)

@@ -40,5 +40,7 @@ def all_to_all(comm: Transport, outputs: List[torch.Tensor],
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """All-to-all of `nbytes` per piece: (n-1)(alpha + K beta), step by step (costs.py)."""
     n = shape.world_size
-    return sum(shape.pairs_step([(r, (r + step) % n) for r in range(n)], nbytes, c, c.per_message("pairwise"))
-               for step in range(1, n))
+    steps = [([(r, (r + step) % n) for r in range(n)], nbytes) for step in range(1, n)]
+    seconds = sum(shape.pairs_step(pairs, size, c, "pairwise", idle_link=index == 0)
+                  for index, (pairs, size) in enumerate(steps))
+    return max(seconds, c.link_bound(shape.link_bytes(steps)))

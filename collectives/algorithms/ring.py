@@ -174,34 +174,55 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
 
 # The formulas of the module's notes, evaluated (see costs.py). The ring visits the
 # ranks host by host, so with several hosts every step has one stream leaving each
-# host: each step lasts as long as its network message. `overhead` is ours per
-# message unless given (hierarchical and native pass their own).
+# host: each step lasts as long as its network message. `algorithm` names whose
+# per-message overhead is paid (hierarchical and native run this ring as theirs).
 
 def _step_cost(chunk: float, shape: Shape, c: Constants, segment_bytes: int,
-               overhead: float) -> float:
-    route = shape.route(crosses_hosts=True, c=c)
-    return messages(chunk, segment_bytes) * (route.alpha + overhead) + chunk * route.beta
+               algorithm: str) -> float:
+    network = shape.hosts > 1
+    route = shape.route(crosses_hosts=network, c=c)
+    per_message = route.alpha + c.per_message(algorithm, network)
+    return messages(chunk, segment_bytes) * per_message + chunk * route.beta
+
+
+def _steps_cost(nbytes: float, shape: Shape, c: Constants, segment_bytes: int,
+                algorithm: str, steps_per_rank: int) -> float:
+    """`steps_per_rank` ring steps of one chunk each, links busy from first to last."""
+    n = shape.world_size
+    return steps_per_rank * _step_cost(nbytes / n, shape, c, segment_bytes, algorithm)
+
+
+def _link_bytes(nbytes: float, shape: Shape, steps: int) -> float:
+    """What each link carries each way in `steps` steps (none on one host)."""
+    return steps * nbytes / shape.world_size if shape.hosts > 1 else 0.0
 
 
 def reduce_scatter_cost(nbytes: float, shape: Shape, c: Constants,
-                        segment_bytes: int = SEGMENT_BYTES, overhead=None) -> float:
+                        segment_bytes: int = SEGMENT_BYTES, algorithm: str = "ring") -> float:
     """(n-1) alpha + (n-1)/n K beta + (n-1)/n K gamma"""
     n = shape.world_size
-    o = c.per_message("ring") if overhead is None else overhead
-    return (n - 1) * _step_cost(nbytes / n, shape, c, segment_bytes, o) \
-        + (n - 1) / n * nbytes * c.gamma
+    link = _link_bytes(nbytes, shape, n - 1)
+    return max(_steps_cost(nbytes, shape, c, segment_bytes, algorithm, n - 1)
+               + (n - 1) / n * nbytes * c.gamma - c.burst_saving(link), c.link_bound(link))
 
 
 def all_gather_cost(nbytes: float, shape: Shape, c: Constants,
-                    segment_bytes: int = SEGMENT_BYTES, overhead=None) -> float:
+                    segment_bytes: int = SEGMENT_BYTES, algorithm: str = "ring") -> float:
     """(n-1) alpha + (n-1)/n K beta"""
     n = shape.world_size
-    o = c.per_message("ring") if overhead is None else overhead
-    return (n - 1) * _step_cost(nbytes / n, shape, c, segment_bytes, o)
+    link = _link_bytes(nbytes, shape, n - 1)
+    return max(_steps_cost(nbytes, shape, c, segment_bytes, algorithm, n - 1)
+               - c.burst_saving(link), c.link_bound(link))
 
 
 def cost(nbytes: float, shape: Shape, c: Constants, segment_bytes: int = SEGMENT_BYTES,
-         overhead=None) -> float:
-    """All-reduce: 2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma"""
-    return (reduce_scatter_cost(nbytes, shape, c, segment_bytes, overhead)
-            + all_gather_cost(nbytes, shape, c, segment_bytes, overhead))
+         algorithm: str = "ring", idle_link: bool = True) -> float:
+    """All-reduce: 2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma
+
+    (`idle_link`: the links rested before this call; a pipeline's later chunks find
+    them busy.)"""
+    n = shape.world_size
+    link = _link_bytes(nbytes, shape, 2 * (n - 1))
+    saving = c.burst_saving(link) if idle_link else 0.0
+    return max(_steps_cost(nbytes, shape, c, segment_bytes, algorithm, 2 * (n - 1))
+               + (n - 1) / n * nbytes * c.gamma - saving, c.link_bound(link))

@@ -77,7 +77,8 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
 
 # The formulas of the module's notes, evaluated (see costs.py). Level by level: at
 # each level every pair moves the whole buffer at once; a level lasts as long as its
-# slowest message (streams leaving one host share its link).
+# slowest message (streams leaving one host share its link). Links rest between the
+# levels that cross hosts, so each such level starts on an idle link.
 
 def _levels(n: int):
     """The (child, parent) pairs of each level, leaves first."""
@@ -87,19 +88,33 @@ def _levels(n: int):
         mask <<= 1
 
 
-def broadcast_cost(nbytes: float, shape: Shape, c: Constants, overhead=None) -> float:
+def _down(shape: Shape):
+    return [[(parent, child) for child, parent in pairs] for pairs in _levels(shape.world_size)]
+
+
+def _steps(nbytes: float, shape: Shape, c: Constants, levels, algorithm: str,
+           reduce: bool) -> float:
+    return sum(shape.pairs_step(pairs, nbytes, c, algorithm, idle_link=True)
+               + (nbytes * c.gamma if reduce else 0.0) for pairs in levels)
+
+
+def broadcast_cost(nbytes: float, shape: Shape, c: Constants, algorithm: str = "tree") -> float:
     """ceil(log2 n) (alpha + K beta), from rank 0"""
-    o = c.per_message("tree") if overhead is None else overhead
-    return sum(shape.pairs_step([(parent, child) for child, parent in pairs], nbytes, c, o)
-               for pairs in _levels(shape.world_size))
+    down = _down(shape)
+    return max(_steps(nbytes, shape, c, down, algorithm, reduce=False),
+               c.link_bound(shape.link_bytes((pairs, nbytes) for pairs in down)))
 
 
 def reduce_cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """ceil(log2 n) (alpha + K beta + K gamma), to rank 0"""
-    return sum(shape.pairs_step(pairs, nbytes, c, c.per_message("tree")) + nbytes * c.gamma
-               for pairs in _levels(shape.world_size))
+    up = list(_levels(shape.world_size))
+    return max(_steps(nbytes, shape, c, up, "tree", reduce=True),
+               c.link_bound(shape.link_bytes((pairs, nbytes) for pairs in up)))
 
 
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """All-reduce: 2 ceil(log2 n) (alpha + K beta) + ceil(log2 n) K gamma"""
-    return reduce_cost(nbytes, shape, c) + broadcast_cost(nbytes, shape, c)
+    up, down = list(_levels(shape.world_size)), _down(shape)
+    steps = (_steps(nbytes, shape, c, up, "tree", reduce=True)
+             + _steps(nbytes, shape, c, down, "tree", reduce=False))
+    return max(steps, c.link_bound(shape.link_bytes((pairs, nbytes) for pairs in up + down)))

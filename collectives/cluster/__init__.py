@@ -23,7 +23,8 @@ from __future__ import annotations
 import os
 from typing import Dict, Optional
 
-from .network import ClusterError, ClusterSpec, Network, rate_bits, remove_leftovers
+from .network import (ClusterError, ClusterSpec, Network, bucket_bytes, rate_bits,
+                      remove_leftovers)
 
 
 def link_bytes() -> Optional[Dict[str, int]]:
@@ -47,5 +48,5 @@ def link_rate_bytes() -> Optional[float]:
     return int(bits) / 8 if bits else None
 
 
-__all__ = ["ClusterError", "ClusterSpec", "Network", "link_bytes", "link_rate_bytes",
+__all__ = ["ClusterError", "bucket_bytes", "ClusterSpec", "Network", "link_bytes", "link_rate_bytes",
            "rate_bits", "remove_leftovers"]

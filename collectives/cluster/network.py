@@ -57,6 +57,13 @@ KILL_ROUNDS = 20           # passes of "kill every process on the hosts" until n
 _RUN_NAME = re.compile(r"^cc[0-9a-f]{6}$")
 
 
+def bucket_bytes(bytes_per_second: int) -> int:
+    """tbf's bucket on a link of this rate: at least a TSO segment's worth, and a few
+    ms of traffic. An idle link passes this many bytes at once before its rate applies
+    (the cost model counts it: collectives/algorithms/costs.py)."""
+    return max(TSO_BURST, int(bytes_per_second) // 250)
+
+
 class ClusterError(RuntimeError):
     """The cluster cannot be built here (privileges, tools, kernel); one line says why."""
 
@@ -202,8 +209,7 @@ class Network:
                                    f"does not have ({done.stderr.strip()}); use --bandwidth "
                                    "alone")
             return
-        bytes_per_second = rate_bits(spec.bandwidth) // 8
-        burst = max(TSO_BURST, bytes_per_second // 250)  # >= a few ms of traffic
+        burst = bucket_bytes(rate_bits(spec.bandwidth) // 8)
         _in(namespace, f"tc qdisc add dev {device} root tbf rate {spec.bandwidth} "
                        f"burst {burst} latency 100ms")
 

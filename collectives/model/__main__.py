@@ -19,6 +19,7 @@ from typing import List
 
 from . import calibrate as calibration
 from . import load
+from .. import cluster
 from ..algorithms import COSTS
 from ..algorithms.costs import Shape
 from ..bench import parse_size, parse_sizes
@@ -36,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
 
     cal = commands.add_parser("calibrate", help="time a short sweep here and fit the constants")
     cal.add_argument("--out", required=True, metavar="FILE.json")
+    cal.add_argument("--points", metavar="FILE.json",
+                     help="fit again the sweep an earlier calibrate wrote, measuring nothing")
     cal.add_argument("--nproc", type=int, default=None,
                      help="spawn this many gloo ranks here (not needed under a launcher)")
     cal.add_argument("--backend", default="auto", choices=["auto", "gloo", "mpi"])
@@ -72,6 +75,9 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
 # ---- calibrate ----------------------------------------------------------------------------
 
 def run_calibrate(p, args) -> int:
+    if args.points:
+        calibration.refit(args.points, args.out)
+        return 0
     from ..launch import LaunchError, detect_launch
     try:
         info = detect_launch()
@@ -146,7 +152,8 @@ def run_check(p, args) -> int:
           f"{'model':>11} {'error':>7}")
     errs, compared = [], []
     for point, rate in points:
-        c = constants.with_link(rate) if rate else constants
+        # rows from the emulated cluster: its links' rate, and their tbf bucket
+        c = constants.with_link(rate, burst=cluster.bucket_bytes(rate)) if rate else constants
         model = calibration.predict_point(point, c)
         err = (model - point.seconds) / point.seconds
         errs.append(err)

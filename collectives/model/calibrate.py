@@ -19,10 +19,11 @@ over a loop, the median of a few loops.
 The fit minimises the squared log of predicted / measured time over every point, so a
 64 KiB call counts as much as a 64 MiB one and every error is relative. The parameters
 are fitted as logarithms, so they stay positive. A message's latency alpha and our
-overhead o always appear as alpha + o in our algorithms; the backend's own collectives
-pay alpha alone across hosts, which is what tells them apart. A weak pull toward the
-starting values (1 % of a point's weight) keeps the fit defined where only their sum is
-measured (one host: the backend's own collectives take a route of their own there).
+overhead o of an algorithm always appear as alpha + o, so only their sum is measured:
+a weak pull toward the starting values (1 % of a point's weight) keeps the fit defined,
+and what is reported is the sum's split that stays nearest those values. Python's
+share is the difference between an algorithm of ours and the backend's own ("native")
+on the same route.
 """
 from __future__ import annotations
 
@@ -42,16 +43,17 @@ from . import save
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [4 * KiB, 64 * KiB, 1 * MiB, 8 * MiB]
 WORLD_ALGORITHMS = ["ring", "tree", "naive", "halving-doubling", "hierarchical", "native"]
-GROUP_ALGORITHMS = ["ring", "tree", "naive"]
+GROUP_ALGORITHMS = ["ring", "tree", "naive", "halving-doubling"]
 
 # Where the fit starts, and what an unmeasured constant keeps: a loopback-class host.
-OURS = ["ring", "tree", "naive", "halving-doubling", "hierarchical"]
+OURS = ["ring", "tree", "naive", "halving-doubling", "hierarchical", "native"]
 START = Constants(local=Route(50e-6, 1 / 2e9), network=Route(100e-6, 1 / 1e9),
-                  gamma=1 / 4e9, overhead={"default": 20e-6, **{a: 20e-6 for a in OURS}},
-                  native=Route(100e-6, 1 / 1e9))
+                  gamma=1 / 4e9, native=Route(100e-6, 1 / 1e9),
+                  overhead={"default": 20e-6, **{f"{a}{where}": 20e-6 for a in OURS
+                                                  for where in ("", "@network")}})
 ROUTES = ("local", "network", "native")
 PARAMETERS = ([f"{route}.{term}" for route in ROUTES for term in ("alpha", "beta")]
-              + ["gamma"] + [f"overhead.{a}" for a in OURS])
+              + ["gamma"] + [f"overhead.{a}{where}" for a in OURS for where in ("", "@network")])
 PRIOR_WEIGHT = 0.01
 
 
@@ -152,7 +154,8 @@ def _get(c: Constants, name: str) -> float:
     """A constant by name: "local.alpha", "gamma", "overhead.ring"."""
     head, _, tail = name.partition(".")
     if head == "overhead":
-        return c.per_message(tail)
+        algorithm, _, where = tail.partition("@")
+        return c.per_message(algorithm, network=where == "network")
     return getattr(getattr(c, head), tail) if tail else getattr(c, head)
 
 
@@ -226,8 +229,11 @@ def describe(c: Constants, measured: List[str]) -> str:
              f"  gamma    1/gamma {1e-9 / c.gamma:.3f} GB/s reduced{mark('gamma')}",
              f"  native   alpha {c.native.alpha * 1e6:9.1f} us   1/beta {1e-9 / c.native.beta:8.3f} GB/s"
              f"   (the backend's own collectives inside a host){mark('native.alpha')}",
-             "  overhead per message of ours: " + ", ".join(
-                 f"{a} {c.per_message(a) * 1e6:.1f} us{'' if f'overhead.{a}' in measured else '*'}"
+             "  per message, by algorithm, inside a host / between hosts:",
+             "    " + ", ".join(
+                 f"{a} {c.per_message(a) * 1e6:.0f}{'' if f'overhead.{a}' in measured else '*'}"
+                 f" / {c.per_message(a, True) * 1e6:.0f}"
+                 f"{'' if f'overhead.{a}@network' in measured else '*'} us"
                  for a in OURS) + "   (*: not measured here)"]
     return "\n".join(lines)
 
@@ -236,9 +242,45 @@ def calibrate(comm, sizes=SIZES, trials: int = 3, seconds_per_row: float = 0.5,
               say=print) -> Tuple[Constants, List[Point], List[str]]:
     """Collective: sweep on every rank; every rank gets the same fit back."""
     points = sweep(comm, sizes, trials, seconds_per_row, say)
-    start = replace(START, link_rate=cluster.link_rate_bytes() or 0.0, transport=comm.name)
+    rate = cluster.link_rate_bytes() or 0.0
+    start = replace(START, link_rate=rate, burst=cluster.bucket_bytes(rate) if rate else 0.0,
+                    transport=comm.name)
     constants, measured = fit(points, start)
     return constants, points, measured
+
+
+def report(constants: Constants, points: List[Point], measured: List[str], out: str,
+           **extra) -> None:
+    """Print every point's fit and the constants; write them to `out`."""
+    errs = errors(points, constants)
+    print("# fit: predicted against measured, every point")
+    print(f"{'ranks':>8} {'shape':>5} {'algorithm':>16} {'bytes':>10} {'measured':>10} "
+          f"{'model':>10} {'error':>7}")
+    for point, err in zip(points, errs):
+        print(f"{point.ranks:>8} {point.hosts}x{point.ranks_per_host:<3} "
+              f"{point.algorithm:>16} {point.nbytes:>10} {point.seconds * 1e3:8.3f}ms "
+              f"{predict_point(point, constants) * 1e3:8.3f}ms {err:+7.1%}")
+    stats = summary(errs)
+    print(f"# fit error over {stats['points']} points: median |error| "
+          f"{stats['median_abs_error']:.1%}, 90th percentile {stats['p90_abs_error']:.1%}")
+    print(describe(constants, measured))
+    save(constants, out, measured=measured, fit=stats, points=[vars(p) for p in points],
+         **extra)
+    print(f"# wrote {out}")
+
+
+def refit(path: str, out: str) -> None:
+    """Fit again the points an earlier calibrate saved (with the model as it is now)."""
+    import json
+    with open(path) as source:
+        saved = json.load(source)
+    points = [Point(**point) for point in saved["points"]]
+    was = saved["constants"]
+    rate = was.get("link_rate", 0.0)
+    start = replace(START, link_rate=rate, transport=was.get("transport", ""),
+                    burst=was.get("burst", cluster.bucket_bytes(rate) if rate else 0.0))
+    constants, measured = fit(points, start)
+    report(constants, points, measured, out, refitted_from=path)
 
 
 def rank_main(args) -> None:
@@ -247,22 +289,8 @@ def rank_main(args) -> None:
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"# collectives.model calibrate: {comm.name}, {comm.world_size} ranks on "
         f"{len(comm.topology.hosts)} host(s)", flush=True)
-    constants, points, measured = calibrate(
-        comm, args.sizes, args.trials, args.seconds_per_row, say)
+    constants, points, measured = calibrate(comm, args.sizes, args.trials,
+                                            args.seconds_per_row, say)
     if comm.rank == 0:
-        errs = errors(points, constants)
-        print("# fit: predicted against measured, every point")
-        print(f"{'ranks':>8} {'shape':>5} {'algorithm':>16} {'bytes':>10} {'measured':>10} "
-              f"{'model':>10} {'error':>7}")
-        for point, err in zip(points, errs):
-            print(f"{point.ranks:>8} {point.hosts}x{point.ranks_per_host:<3} "
-                  f"{point.algorithm:>16} {point.nbytes:>10} {point.seconds * 1e3:8.3f}ms "
-                  f"{predict_point(point, constants) * 1e3:8.3f}ms {err:+7.1%}")
-        stats = summary(errs)
-        print(f"# fit error over {stats['points']} points: median |error| "
-              f"{stats['median_abs_error']:.1%}, 90th percentile {stats['p90_abs_error']:.1%}")
-        print(describe(constants, measured))
-        save(constants, args.out, measured=measured, fit=stats,
-             points=[vars(p) for p in points])
-        print(f"# wrote {args.out}")
+        report(constants, points, measured, args.out)
     collectives.destroy()
