@@ -46,8 +46,9 @@ cluster. Put together, one step is simulated per strategy and per rank count.
    training thread finishes backward's compute at forward + backward and then waits
    for the last bucket: waited = max(0, end_last - (forward + backward)). Collectives on
    the training thread (buffer broadcasts, PowerSGD's, local SGD's averaging) are
-   waited on in full. cost() is the algorithm our `auto` would pick, as the model
-   sees it (`fastest`), or gloo's own (`native`) for torch's DDP.
+   waited on in full. cost() is that of the algorithm our `auto` would pick (its
+   measured rules where they hold, the model's fastest beyond them), or gloo's own
+   (`native`) for torch's DDP.
 
    step = forward + backward + waited + writeback + moment + optimizer (+ training-
    thread collectives); images/s = ranks x batch / step; scaling efficiency = images/s
@@ -96,7 +97,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-from collectives.algorithms import COSTS, fastest
+from collectives.algorithms import COSTS, auto, fastest
+from collectives.transport.topology import Topology
 from collectives.algorithms.costs import Constants, Shape
 from collectives.model import load
 from collectives.model.units import parse_latency, parse_rate
@@ -314,11 +316,21 @@ NOT_MODELLED = {
 }
 
 
+def auto_choice(nbytes: float, shape: Shape, c: Constants) -> str:
+    """What our `auto` picks for this call: its measured rules where they were measured
+    (collectives/algorithms/auto.py), the model's fastest beyond them."""
+    topology = Topology(tuple(rank // shape.ranks_per_host for rank in range(shape.world_size)))
+    if auto.measured(shape.world_size, topology):
+        return auto.all_reduce_choice(int(nbytes), shape.world_size,
+                                      c.transport or "gloo+shm", topology)
+    return fastest("all_reduce", nbytes, shape, c)
+
+
 def _reduce(nbytes: float, algorithm: str, shape: Shape, c: Constants,
             used: List[str]) -> float:
-    """Seconds for one all-reduce of `nbytes` (auto: the model's fastest)."""
+    """Seconds for one all-reduce of `nbytes` (auto: what our auto picks)."""
     if algorithm == "auto":
-        algorithm = fastest("all_reduce", nbytes, shape, c)
+        algorithm = auto_choice(nbytes, shape, c)
     if algorithm not in used:
         used.append(algorithm)
     return COSTS["all_reduce"][algorithm](nbytes, shape, c)
