@@ -100,7 +100,7 @@ from typing import Dict, List, Optional, Tuple
 from collectives.algorithms import COSTS, auto, fastest
 from collectives.transport.topology import Topology
 from collectives.algorithms.costs import Constants, Shape
-from collectives.model import load
+from collectives.model import load, on_cluster
 from collectives.model.units import parse_latency, parse_rate
 
 US = 1e-6  # trace timestamps are microseconds
@@ -456,6 +456,10 @@ def main(argv=None) -> int:
     p.add_argument("--ranks-per-host", type=int, default=8, help="default 8")
     p.add_argument("--bandwidth", type=parse_rate, help="each host's link, e.g. 25gbit")
     p.add_argument("--latency", type=parse_latency, help="added per message, e.g. 10us")
+    p.add_argument("--emulated", action="store_true",
+                   help="hosts as collectives.cluster makes them here (tbf's bucket on each "
+                        "link, every rank sharing this machine's cores), to compare with "
+                        "trainer.bench there; default: real hosts")
     p.add_argument("--sync", type=lambda s: s.split(","),
                    help="comma list of the trace's syncs (default: all it holds)")
     scaling = p.add_mutually_exclusive_group()
@@ -495,8 +499,8 @@ def main(argv=None) -> int:
         constants = load(args.constants)
     except (OSError, ValueError, KeyError, TypeError) as error:
         p.error(f"--constants {args.constants}: {error}")
-    if args.bandwidth is not None or args.latency is not None:
-        constants = constants.with_link(args.bandwidth or 0.0, args.latency or 0.0)
+    constants = on_cluster(constants, args.bandwidth or 0.0, args.latency or 0.0,
+                           args.emulated)
     batch = args.batch_size or (None if all(profiles[s].batch for s in syncs) else 32)
 
     rows = rows_for(profiles, syncs, args.ranks, args.ranks_per_host, constants,

@@ -21,6 +21,11 @@ receive, a send and a forward, a tree level one receive, and over TCP a message 
 receive was posted just in time waits for the receiver's notice to cross the link
 first (NCCL's tuner, too, keeps a base latency per algorithm and per kind of link).
 
+When more ranks are busy than there are cores (the emulated cluster: every host's
+ranks share one machine's `cores`), a step waits for its ranks to be scheduled: its
+fixed costs (alpha and overhead) grow by busy ranks / cores (`crowding`). A real
+cluster gives each rank a core: `cores` 0, no such term.
+
 However the messages fall, no link carries more than its rate allows: a call takes at
 least the bytes its busiest link carries in one direction times beta (`link_bound`),
 and each algorithm's cost is the larger of its steps' sum and that bound. The bound
@@ -75,6 +80,7 @@ class Constants:
     native: Route            # the backend's own collectives, between ranks of one host
     link_rate: float = 0.0   # bytes/s of the link `network` was measured on (0: unshaped)
     burst: float = 0.0       # bytes an idle shaped link passes at once (0: a real NIC)
+    cores: int = 0           # cores every rank shares (the emulated cluster's machine; 0: one each)
     transport: str = ""      # what it was measured on ("gloo+shm", ...)
 
     def per_message(self, algorithm: str, network: bool = False) -> float:
@@ -84,6 +90,10 @@ class Constants:
         if network:
             keys = [f"{algorithm}@network", "default@network"] + keys
         return next((self.overhead[key] for key in keys if key in self.overhead), 0.0)
+
+    def crowding(self, busy_ranks: int) -> float:
+        """How much longer a step's fixed costs take with `busy_ranks` sharing the cores."""
+        return max(1.0, busy_ranks / self.cores) if self.cores else 1.0
 
     def link_bound(self, link_bytes: float) -> float:
         """The least time for a call whose busiest link carries `link_bytes` one way."""
@@ -161,6 +171,7 @@ class Shape:
         (`idle_link`: the links rested before it, so their buckets are full)."""
         leaving = {}
         crossing = False
+        crowding = c.crowding(len({rank for pair in pairs for rank in pair}))
         for sender, receiver in pairs:
             if self.host(sender) != self.host(receiver):
                 crossing = True
@@ -168,9 +179,9 @@ class Shape:
         if crossing:
             streams = max(leaving.values())
             saving = c.burst_saving(streams * nbytes) if idle_link else 0.0
-            return (c.per_message(algorithm, network=True)
-                    + c.network.message(nbytes, streams) - saving)
-        return c.per_message(algorithm) + c.local.message(nbytes)
+            return (crowding * (c.per_message(algorithm, network=True) + c.network.alpha)
+                    + streams * nbytes * c.network.beta - saving)
+        return crowding * (c.per_message(algorithm) + c.local.alpha) + nbytes * c.local.beta
 
     def link_bytes(self, steps) -> float:
         """The bytes the busiest host link carries in one direction over `steps`, each

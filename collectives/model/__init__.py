@@ -13,11 +13,13 @@ the same model.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from ..algorithms import COSTS, fastest
 from ..algorithms.costs import Constants, Route, Shape, load_constants
 
-__all__ = ["COSTS", "Constants", "Route", "Shape", "fastest", "load", "save", "predict"]
+__all__ = ["COSTS", "Constants", "Route", "Shape", "fastest", "load", "on_cluster", "save",
+           "predict"]
 
 
 def load(path: str) -> Constants:
@@ -30,6 +32,23 @@ def save(constants: Constants, path: str, **extra) -> None:
     with open(path, "w") as out:
         json.dump({"constants": constants.as_dict(), **extra}, out, indent=2)
         out.write("\n")
+
+
+def on_cluster(constants: Constants, bandwidth: float = 0.0, latency: float = 0.0,
+               emulated: bool = False) -> Constants:
+    """The constants for a cluster described by its links: `bandwidth` bytes/s each way
+    (0: as measured), `latency` seconds more per message between hosts. Real hosts by
+    default: links without tbf's bucket, a core for every rank. `emulated`: hosts as
+    collectives.cluster makes them on this machine (each link's tbf bucket, every
+    rank sharing this machine's cores), to compare with runs there."""
+    import os
+    from ..cluster import bucket_bytes
+    rate = bandwidth or constants.link_rate
+    c = constants.with_link(bandwidth, latency, burst=bucket_bytes(rate) if emulated and rate
+                            else 0.0)
+    if not bandwidth:  # the measured link keeps its bucket only where it is emulated
+        c = replace(c, burst=c.burst if emulated else 0.0)
+    return replace(c, cores=(os.cpu_count() or 1) if emulated else 0)
 
 
 def predict(collective: str, algorithm: str, nbytes: float, shape: Shape,

@@ -18,7 +18,7 @@ import sys
 from typing import List
 
 from . import calibrate as calibration
-from . import load
+from . import load, on_cluster
 from .. import cluster
 from ..algorithms import COSTS
 from ..algorithms.costs import Shape
@@ -70,6 +70,10 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
                         "(default: the link the constants were measured on)")
     p.add_argument("--latency", type=parse_latency, default=0.0,
                    help="added to every message between hosts: 10us, 2ms")
+    p.add_argument("--emulated", action="store_true",
+                   help="hosts as collectives.cluster makes them here (tbf's bucket on "
+                        "each link, every rank sharing this machine's cores); default: "
+                        "real hosts")
 
 
 # ---- calibrate ----------------------------------------------------------------------------
@@ -100,7 +104,7 @@ def run_predict(p, args) -> int:
         constants = load(args.constants)
     except (OSError, ValueError, KeyError, TypeError) as error:
         p.error(f"cannot read constants from {args.constants}: {error}")
-    constants = constants.with_link(args.bandwidth, args.latency)
+    constants = on_cluster(constants, args.bandwidth, args.latency, args.emulated)
     if args.hosts < 1 or args.ranks_per_host < 1:
         p.error("--hosts and --ranks-per-host must be at least 1")
     shape = Shape(args.hosts, args.ranks_per_host)
