@@ -270,3 +270,22 @@ def test_a_shaped_link_passes_its_bucket_at_once_but_not_more_than_its_rate():
     # a real NIC's link (no bucket) and the same rate: both transfers at the wire's pace
     assert tree(1 << 20, Shape(2, 1), shaped.with_link(12.5e6)) == pytest.approx(
         2 * (1 << 20) * wire)
+
+
+def test_a_cluster_described_on_the_command_line():
+    from collectives.cluster import bucket_bytes
+    from collectives.model import on_cluster
+    measured = Constants(**{**C.__dict__, "link_rate": 125e6, "burst": 500e3, "cores": 2})
+    real = on_cluster(measured, parse_rate("25gbit"), parse_latency("10us"))
+    assert (real.burst, real.cores, real.link_rate) == (0.0, 0, 25e9 / 8)
+    assert real.network.alpha == pytest.approx(C.network.alpha + 1e-5)
+    emulated = on_cluster(measured, parse_rate("100mbit"), emulated=True)
+    assert emulated.burst == bucket_bytes(12.5e6) == 128 << 10
+    assert emulated.cores == os.cpu_count()
+    # the measured link as it was, on real hosts: no bucket, a core per rank
+    assert on_cluster(measured).network == measured.network
+    assert (on_cluster(measured).burst, on_cluster(measured).cores) == (0.0, 0)
+    # ranks sharing cores wait longer for every message, not for every byte
+    crowded = Constants(**{**C.__dict__, "cores": 2})
+    assert COSTS["all_reduce"]["ring"](4e6, Shape(1, 4), crowded) == pytest.approx(
+        6 * (2 * 1.1e-3 + 1e-3) + 3e-4)

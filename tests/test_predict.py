@@ -225,7 +225,7 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
     # (not ddp-powersgd: traced beside another sync it aborted some runs here with
     # gloo's "Received data size doesn't match expected size", a collective order
     # mismatch between the ranks; untraced, or alone, it passed. Cause not found.)
-    syncs = "allreduce,bf16,powersgd,local-sgd,ddp,ddp-bf16"
+    syncs = "allreduce,powersgd,local-sgd,ddp"  # (bf16's are checked on hand-made traces)
     bench = subprocess.run(
         [sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync", syncs,
          "--batch-size", "2", "--steps", "1", "--rounds", "1", "--warmup", "1",
@@ -257,7 +257,7 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
                 (sync, ranks, result.stdout)
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     modelled = [r for r in rows if r["modelled"]]
-    assert len(modelled) == len(rows) == 6 * 3
+    assert len(modelled) == len(rows) == 4 * 3
     assert all(r["batch_size"] == 2 and r["step_ms"] > 0 for r in modelled)
     assert picture.stat().st_size > 0
 
