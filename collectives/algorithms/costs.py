@@ -5,26 +5,33 @@ has a `cost()` function beside it that evaluates the same formula; this file hol
 what they share. Like NCCL's tuner (`src/graph/tuning.cc`), the model is a few
 constants and one formula per algorithm:
 
-    a message of K bytes on a route:  alpha + K beta        (+ our own overhead o)
+    a message of K bytes on a route:  alpha + o + K beta     (o: the algorithm's overhead)
     reducing K bytes:                 K gamma
 
-Two routes, as the ranks are placed (`Shape`: H hosts of L ranks each, ranks of a
-host numbered together):
+Routes, as the ranks are placed (`Shape`: H hosts of L ranks each, ranks of a host
+numbered together):
 
     local    between ranks of one host (shared memory, or loopback TCP)
     network  between hosts: a host's link, each way; f streams that leave one host
              at once share it, so each moves at 1/f of its rate: alpha + f K beta
+    native   the backend's own collectives between ranks of one host (gloo's TCP over
+             loopback, where ours go through shared memory)
+
+A step whose ranks use both routes at once (a ring step where one pair crosses hosts
+and the others do not) lasts as long as its slowest message.
 
 `overhead` is what each message costs the algorithm's code on top of the route
-(posting it, waking the thread that waits on it), per algorithm and route: a ring step posts a
-receive, a send and a forward, a tree level one receive, and over TCP a message whose
-receive was posted just in time waits for the receiver's notice to cross the link
-first (NCCL's tuner, too, keeps a base latency per algorithm and per kind of link).
+(posting it, waking the thread that waits on it), per algorithm and route: a ring
+step posts a receive, a send and a forward, a tree level one receive, and over TCP a
+message whose receive was posted just in time waits for the receiver's notice to
+cross the link first. NCCL's tuner, too, keeps a base latency per algorithm and per
+kind of link. Keys: "ring" inside a host (and between hosts unless "ring@network" is
+given), "default" and "default@network" for the rest; "native" for the backend's own.
 
-When more ranks are busy than there are cores (the emulated cluster: every host's
-ranks share one machine's `cores`), a step waits for its ranks to be scheduled: its
-fixed costs (alpha and overhead) grow by busy ranks / cores (`crowding`). A real
-cluster gives each rank a core: `cores` 0, no such term.
+When more ranks are busy than there are cores (one machine, or the emulated cluster,
+whose hosts all share this machine's `cores`), a step waits for its ranks to be
+scheduled: its fixed costs (alpha and overhead) grow by busy ranks / cores
+(`crowding`). Real hosts give each rank a core: `cores` 0, no such term.
 
 However the messages fall, no link carries more than its rate allows: a call takes at
 least the bytes its busiest link carries in one direction times beta (`link_bound`),
@@ -37,12 +44,6 @@ wire's time for those bytes once per stretch of traffic on a link (`burst_saving
 once for a ring, whose links stay busy from its first step to its last, once per level
 for a tree, whose links rest between levels. Calls back to back leave the bucket no
 time to fill, which the bound above keeps honest. A real NIC has no bucket: 0.
-Keys: "ring" (inside a host, and between hosts unless "ring@network" is given),
-"default" and "default@network" for the rest. The backend's own collectives (`native`) pay
-no such overhead, and inside a host they take their own route (`native`: gloo's TCP
-over loopback where ours goes through shared memory). A step whose ranks use both
-routes at once (a ring step where one pair crosses hosts and the others do not) lasts
-as long as its slowest message.
 
 The constants are measured, not assumed: `python -m collectives.model calibrate`
 fits them to a sweep of collectives.bench (docs/model.md), and a file of them can be
@@ -76,7 +77,7 @@ class Constants:
     local: Route             # between ranks of one host
     network: Route           # between hosts, per host link and direction
     gamma: float             # seconds per reduced byte
-    overhead: Dict[str, float]  # our own seconds per message: "ring", "ring@network", ...
+    overhead: Dict[str, float]  # seconds per message, per algorithm: "ring", "ring@network"
     native: Route            # the backend's own collectives, between ranks of one host
     link_rate: float = 0.0   # bytes/s of the link `network` was measured on (0: unshaped)
     burst: float = 0.0       # bytes an idle shaped link passes at once (0: a real NIC)
