@@ -278,7 +278,8 @@ def run_benchmark(comm, args) -> List[Dict]:
     if link is not None:
         say(f"# emulated cluster: links of {link * 8 / 1e6:g} Mbit/s each way; nic = MB the "
             "busiest host's NIC sent per call")
-    if "auto" in args.algorithms and not algorithms.auto.measured(comm.world_size, comm.topology):
+    if ("auto" in args.algorithms and "all_reduce" in args.ops and comm.backend != "nccl"
+            and not algorithms.auto.measured(comm.world_size, comm.topology)):
         say(f"# auto: {comm.world_size} ranks on {len(comm.topology.hosts)} host(s) is beyond "
             "what its rules were measured on: it takes what the cost model says is quickest "
             f"(constants: {algorithms.auto.model_constants_path()})")

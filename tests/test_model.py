@@ -289,3 +289,48 @@ def test_a_cluster_described_on_the_command_line():
     crowded = Constants(**{**C.__dict__, "cores": 2})
     assert COSTS["all_reduce"]["ring"](4e6, Shape(1, 4), crowded) == pytest.approx(
         6 * (2 * 1.1e-3 + 1e-3) + 3e-4)
+
+
+def test_a_tree_broadcast_shares_the_parents_link_among_its_children():
+    # broadcast() posts every send of a parent at once: on 4 hosts of 1 the root's two
+    # sends share its link (1e-2 + 1e-4 + 2 x 1e6 x 1e-8 each), then rank 2 sends on
+    # to rank 3 alone (2.01e-2)
+    assert COSTS["broadcast"]["tree"](1e6, Shape(4, 1), C) == pytest.approx(3.01e-2 + 2.01e-2)
+
+
+def main_error(capsys, *argv) -> str:
+    """The one line `python -m collectives.model ...` exits with (status 2)."""
+    from collectives.model.__main__ import main
+    with pytest.raises(SystemExit) as exited:
+        main(list(argv))
+    assert exited.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_calibrate_and_check_refuse_bad_input(tmp_path, capsys, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_STEP_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert "calibrate needs 2 ranks or more" in main_error(
+        capsys, "calibrate", "--out", str(tmp_path / "c.json"))
+    constants = tmp_path / "c.json"
+    constants.write_text(json.dumps({"constants": C.as_dict()}))
+    assert "not a sweep calibrate wrote" in main_error(
+        capsys, "calibrate", "--points", str(constants), "--out", str(tmp_path / "d.json"))
+    assert "cannot read constants" in main_error(
+        capsys, "check", "--constants", str(tmp_path / "none.json"), str(constants))
+
+
+def test_auto_beyond_what_was_measured_reads_its_constants_for_this_jobs_machines(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("COLLECTIVES_MODEL", str(tmp_path / "missing.json"))
+    with pytest.raises(ValueError, match="cannot read the cost model's constants"):
+        auto.all_reduce_choice(1 << 20, 64, "gloo", Topology(tuple(r // 8 for r in range(64))))
+    crowded = Constants(**{**C.__dict__, "cores": 2, "burst": 1e6, "link_rate": 125e6})
+    path = tmp_path / "emulated.json"
+    path.write_text(json.dumps({"constants": crowded.as_dict()}))
+    real = auto.job_constants(str(path), Shape(8, 8))
+    assert (real.cores, real.burst) == (0, 0.0)  # real hosts: a core each, no tbf bucket
+    alone = auto.job_constants(str(path), Shape(1, 16))
+    assert alone.cores == os.cpu_count()  # one machine's ranks share its cores
+    emulated = auto.job_constants(str(path), Shape(8, 1), emulated_rate=12.5e6)
+    assert emulated.cores == os.cpu_count() and emulated.burst == 128 << 10

@@ -109,12 +109,33 @@ def model_constants_path() -> str:
     return os.environ.get("COLLECTIVES_MODEL") or CALIBRATED
 
 
-@functools.lru_cache(maxsize=1024)
-def model_choice(nbytes: int, hosts: int, ranks_per_host: int, path: str) -> str:
-    """The all-reduce algorithm the cost model says is quickest (the constants at `path`)."""
-    from . import fastest
+def job_constants(path: str, shape: Shape, emulated_rate: float = 0.0):
+    """The constants at `path`, for this job's machines: the emulated cluster's links
+    (`emulated_rate` bytes/s each way, with tbf's bucket) or real ones (no bucket); ranks
+    that share one machine (one host, or the emulated cluster) share its cores."""
+    from dataclasses import replace
+    from ..cluster import bucket_bytes
     from .costs import load_constants
-    return fastest("all_reduce", nbytes, Shape(hosts, ranks_per_host), load_constants(path))
+    try:
+        c = load_constants(path)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"auto: cannot read the cost model's constants from {path} "
+                         f"(${'COLLECTIVES_MODEL'}): {error}") from None
+    if emulated_rate:
+        c = c.with_link(emulated_rate, burst=bucket_bytes(emulated_rate))
+    shared = emulated_rate or shape.hosts == 1
+    return replace(c, burst=c.burst if emulated_rate else 0.0,
+                   cores=(os.cpu_count() or 1) if shared else 0)
+
+
+@functools.lru_cache(maxsize=1024)
+def model_choice(nbytes: int, hosts: int, ranks_per_host: int, path: str,
+                 emulated_rate: float = 0.0) -> str:
+    """The all-reduce algorithm the cost model says is quickest (the constants at `path`,
+    for this job's machines: `job_constants`)."""
+    from . import fastest
+    shape = Shape(hosts, ranks_per_host)
+    return fastest("all_reduce", nbytes, shape, job_constants(path, shape, emulated_rate))
 
 
 def all_reduce_choice(nbytes: int, world_size: int, transport: str,
@@ -127,7 +148,9 @@ def all_reduce_choice(nbytes: int, world_size: int, transport: str,
         return "native"  # NCCL's own ladder, across hosts too (see the notes above)
     if not measured(world_size, topology):
         shape = shape_of(world_size, topology)
-        return model_choice(nbytes, shape.hosts, shape.ranks_per_host, model_constants_path())
+        rate = float(os.environ.get("COLLECTIVES_CLUSTER_RATE", 0)) / 8  # the emulated cluster's
+        return model_choice(nbytes, shape.hosts, shape.ranks_per_host, model_constants_path(),
+                            rate)
     if topology is not None and not topology.single_host:
         if nbytes < ACROSS_HOSTS_FROM:
             return "tree"

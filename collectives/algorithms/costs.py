@@ -89,7 +89,7 @@ class Constants:
         between hosts ("native": the backend's own collectives, which add their own)."""
         keys = [algorithm, "default"]
         if network:
-            keys = [f"{algorithm}@network", "default@network"] + keys
+            keys = [f"{algorithm}@network", algorithm, "default@network", "default"]
         return next((self.overhead[key] for key in keys if key in self.overhead), 0.0)
 
     def crowding(self, busy_ranks: int) -> float:

@@ -23,6 +23,8 @@ result and broadcasts it, so every rank ends bitwise identical.
 """
 from __future__ import annotations
 
+from typing import List
+
 import torch
 
 from ..transport import Transport
@@ -75,46 +77,78 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
     broadcast(comm, flat, root=0)
 
 
-# The formulas of the module's notes, evaluated (see costs.py). Level by level: at
-# each level every pair moves the whole buffer at once; a level lasts as long as its
-# slowest message (streams leaving one host share its link). Links rest between the
-# levels that cross hosts, so each such level starts on an idle link.
+# The formulas of the module's notes, evaluated (see costs.py). Reduce, level by
+# level: at each level every pair moves the whole buffer at once (a child sends only
+# once its subtree is done); a level lasts as long as its slowest message, streams
+# leaving one host sharing its link, and starts on a rested link. Broadcast as it runs:
+# a parent posts its sends to every child at once, so its sends that cross hosts share
+# its link; each rank has the data at its parent's time plus its own message.
 
 def _levels(n: int):
-    """The (child, parent) pairs of each level, leaves first."""
+    """The (child, parent) pairs of each level of reduce(), leaves first."""
     mask = 1
     while mask < n:
         yield [(v + mask, v) for v in range(0, n, 2 * mask) if v + mask < n]
         mask <<= 1
 
 
-def _down(shape: Shape):
-    return [[(parent, child) for child, parent in pairs] for pairs in _levels(shape.world_size)]
+def _children(v: int, n: int) -> List[int]:
+    """Whom rank v (counted from the root) sends to in broadcast(), farthest first."""
+    mask = 1
+    while mask < n and not v & mask:  # v's lowest set bit (the root: past n)
+        mask <<= 1
+    children = []
+    mask >>= 1
+    while mask > 0:
+        if v + mask < n:
+            children.append(v + mask)
+        mask >>= 1
+    return children
 
 
-def _steps(nbytes: float, shape: Shape, c: Constants, levels, algorithm: str,
-           reduce: bool) -> float:
-    return sum(shape.pairs_step(pairs, nbytes, c, algorithm, idle_link=True)
-               + (nbytes * c.gamma if reduce else 0.0) for pairs in levels)
+def _broadcast_time(nbytes: float, shape: Shape, c: Constants, algorithm: str) -> float:
+    n = shape.world_size
+    arrival = [0.0] * n
+    for parent in range(n):  # every child has a higher rank than its parent
+        children = _children(parent, n)
+        crossing = sum(shape.host(child) != shape.host(parent) for child in children)
+        busy = c.crowding(1 + len(children))
+        for child in children:
+            if shape.host(child) != shape.host(parent):
+                message = (busy * (c.network.alpha + c.per_message(algorithm, network=True))
+                           + crossing * nbytes * c.network.beta
+                           - c.burst_saving(crossing * nbytes))
+            else:
+                message = (busy * (c.local.alpha + c.per_message(algorithm))
+                           + nbytes * c.local.beta)
+            arrival[child] = arrival[parent] + message
+    return max(arrival)
+
+
+def _down_bytes(nbytes: float, shape: Shape) -> list:
+    n = shape.world_size
+    return [([(parent, child) for child in _children(parent, n)], nbytes) for parent in range(n)]
+
+
+def _reduce_time(nbytes: float, shape: Shape, c: Constants) -> float:
+    return sum(shape.pairs_step(pairs, nbytes, c, "tree", idle_link=True) + nbytes * c.gamma
+               for pairs in _levels(shape.world_size))
 
 
 def broadcast_cost(nbytes: float, shape: Shape, c: Constants, algorithm: str = "tree") -> float:
     """ceil(log2 n) (alpha + K beta), from rank 0"""
-    down = _down(shape)
-    return max(_steps(nbytes, shape, c, down, algorithm, reduce=False),
-               c.link_bound(shape.link_bytes((pairs, nbytes) for pairs in down)))
+    return max(_broadcast_time(nbytes, shape, c, algorithm),
+               c.link_bound(shape.link_bytes(_down_bytes(nbytes, shape))))
 
 
 def reduce_cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """ceil(log2 n) (alpha + K beta + K gamma), to rank 0"""
-    up = list(_levels(shape.world_size))
-    return max(_steps(nbytes, shape, c, up, "tree", reduce=True),
-               c.link_bound(shape.link_bytes((pairs, nbytes) for pairs in up)))
+    up = [(pairs, nbytes) for pairs in _levels(shape.world_size)]
+    return max(_reduce_time(nbytes, shape, c), c.link_bound(shape.link_bytes(up)))
 
 
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """All-reduce: 2 ceil(log2 n) (alpha + K beta) + ceil(log2 n) K gamma"""
-    up, down = list(_levels(shape.world_size)), _down(shape)
-    steps = (_steps(nbytes, shape, c, up, "tree", reduce=True)
-             + _steps(nbytes, shape, c, down, "tree", reduce=False))
-    return max(steps, c.link_bound(shape.link_bytes((pairs, nbytes) for pairs in up + down)))
+    up = [(pairs, nbytes) for pairs in _levels(shape.world_size)]
+    steps = _reduce_time(nbytes, shape, c) + _broadcast_time(nbytes, shape, c, "tree")
+    return max(steps, c.link_bound(shape.link_bytes(up + _down_bytes(nbytes, shape))))

@@ -80,14 +80,19 @@ def add_link_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_calibrate(p, args) -> int:
     if args.points:
-        calibration.refit(args.points, args.out)
+        try:
+            calibration.refit(args.points, args.out)
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            p.error(f"--points {args.points}: not a sweep calibrate wrote ({error!r})")
         return 0
     from ..launch import LaunchError, detect_launch
     try:
         info = detect_launch()
     except LaunchError as error:
         p.error(str(error))
-    if info.world_size > 1 or not args.nproc or args.nproc == 1:
+    if info.world_size == 1 and (args.nproc or 1) == 1:
+        p.error("calibrate needs 2 ranks or more: --nproc N, or start it under a launcher")
+    if info.world_size > 1:
         calibration.rank_main(args)
         return 0
     if args.backend == "mpi":
@@ -145,7 +150,10 @@ def bench_points(paths: List[str]):
 
 
 def run_check(p, args) -> int:
-    constants = load(args.constants)
+    try:
+        constants = load(args.constants)
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        p.error(f"cannot read constants from {args.constants}: {error!r}")
     try:
         points = bench_points(args.rows)
     except (OSError, ValueError, KeyError) as error:
