@@ -113,7 +113,6 @@ def job_constants(path: str, shape: Shape, emulated_rate: float = 0.0):
     """The constants at `path`, for this job's machines: the emulated cluster's links
     (`emulated_rate` bytes/s each way, with tbf's bucket) or real ones (no bucket); ranks
     that share one machine (one host, or the emulated cluster) share its cores."""
-    from dataclasses import replace
     from ..cluster import bucket_bytes
     from .costs import load_constants
     try:
@@ -121,11 +120,9 @@ def job_constants(path: str, shape: Shape, emulated_rate: float = 0.0):
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"auto: cannot read the cost model's constants from {path} "
                          f"(${'COLLECTIVES_MODEL'}): {error}") from None
-    if emulated_rate:
-        c = c.with_link(emulated_rate, burst=bucket_bytes(emulated_rate))
-    shared = emulated_rate or shape.hosts == 1
-    return replace(c, burst=c.burst if emulated_rate else 0.0,
-                   cores=(os.cpu_count() or 1) if shared else 0)
+    shared = emulated_rate or shape.hosts == 1  # ranks of one machine share its cores
+    return c.for_job(emulated_rate, burst=bucket_bytes(emulated_rate) if emulated_rate else 0.0,
+                     shared_cores=(os.cpu_count() or 1) if shared else 0)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -123,6 +123,13 @@ class Constants:
         return replace(self, network=Route(alpha, beta), link_rate=rate or self.link_rate,
                        burst=burst if rate else self.burst)
 
+    def for_job(self, rate: float = 0.0, latency: float = 0.0, burst: float = 0.0,
+                shared_cores: int = 0) -> "Constants":
+        """These constants for a job's machines: links of `rate` bytes/s each way (0: as
+        measured) holding tbf's `burst` (0: real NICs), `latency` seconds more per
+        message between hosts, ranks sharing `shared_cores` cores (0: a core each)."""
+        return replace(self.with_link(rate, latency), burst=burst, cores=shared_cores)
+
     def as_dict(self) -> dict:
         return asdict(self)
 

@@ -13,7 +13,6 @@ the same model.
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 
 from ..algorithms import COSTS, fastest
 from ..algorithms.costs import Constants, Route, Shape, load_constants
@@ -44,11 +43,10 @@ def on_cluster(constants: Constants, bandwidth: float = 0.0, latency: float = 0.
     import os
     from ..cluster import bucket_bytes
     rate = bandwidth or constants.link_rate
-    c = constants.with_link(bandwidth, latency, burst=bucket_bytes(rate) if emulated and rate
-                            else 0.0)
-    if not bandwidth:  # the measured link keeps its bucket only where it is emulated
-        c = replace(c, burst=c.burst if emulated else 0.0)
-    return replace(c, cores=(os.cpu_count() or 1) if emulated else 0)
+    if not emulated:
+        return constants.for_job(bandwidth, latency)
+    return constants.for_job(bandwidth, latency, burst=bucket_bytes(rate) if rate else 0.0,
+                             shared_cores=os.cpu_count() or 1)
 
 
 def predict(collective: str, algorithm: str, nbytes: float, shape: Shape,
