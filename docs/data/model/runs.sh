@@ -11,6 +11,8 @@ cluster() { python -m collectives.cluster --no-prefix "$@"; }
 [ -e $out/sweep.json ] || cluster --hosts 2 --ranks-per-host 2 --bandwidth 1gbit -- \
     python -m collectives.model calibrate --out $PWD/$out/sweep.json \
     > $out/calibrate.log 2>&1
+# (the constants.json kept here is `calibrate --points sweep.json --out constants.json`:
+# the sweep was measured before the model's cores term existed; the fit is today's)
 cp $out/sweep.json $out/constants.json
 
 # 2. Collectives on shapes and links the fit never saw (skipping what takes minutes).
