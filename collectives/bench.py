@@ -150,9 +150,9 @@ class Runner:
         step, wrong = self._build(op, algorithm, count)
         seconds = self._time(step, f"{op} {algorithm} {count * element} B")
         algbw = count * element / seconds / 1e9
-        hosts = comm.topology.hosts
+        shape = algorithms.auto.shape_of(n, comm.topology)
         row = dict(op=op, algorithm=algorithm, backend=comm.backend, transport=comm.name,
-                   world_size=n, hosts=len(hosts), ranks_per_host=max(map(len, hosts)),
+                   world_size=n, hosts=shape.hosts, ranks_per_host=shape.ranks_per_host,
                    bytes=count * element, count=count, dtype=str(self.dtype).split(".")[-1],
                    time_us=seconds * 1e6, algbw_gbps=algbw,
                    busbw_gbps=algbw * BUS_FACTOR.get(op, lambda n: 2 * (n - 1) / n)(n),

@@ -97,6 +97,7 @@ def shape_of(world_size: int, topology: Optional[Topology]) -> Shape:
     return Shape(len(hosts), max(map(len, hosts)))
 
 
+@functools.lru_cache(maxsize=64)  # asked on every call: a job has one or two worlds
 def measured(world_size: int, topology: Optional[Topology] = None) -> bool:
     """Whether the rules below were measured on a world like this one."""
     shape = shape_of(world_size, topology)
@@ -119,7 +120,7 @@ def job_constants(path: str, shape: Shape, emulated_rate: float = 0.0):
         c = load_constants(path)
     except (OSError, ValueError, KeyError, TypeError) as error:
         raise ValueError(f"auto: cannot read the cost model's constants from {path} "
-                         f"(${'COLLECTIVES_MODEL'}): {error}") from None
+                         f"($COLLECTIVES_MODEL): {error}") from None
     shared = emulated_rate or shape.hosts == 1  # ranks of one machine share its cores
     return c.for_job(emulated_rate, burst=bucket_bytes(emulated_rate) if emulated_rate else 0.0,
                      shared_cores=(os.cpu_count() or 1) if shared else 0)
@@ -145,9 +146,9 @@ def all_reduce_choice(nbytes: int, world_size: int, transport: str,
         return "native"  # NCCL's own ladder, across hosts too (see the notes above)
     if not measured(world_size, topology):
         shape = shape_of(world_size, topology)
-        rate = float(os.environ.get("COLLECTIVES_CLUSTER_RATE", 0)) / 8  # the emulated cluster's
+        from ..cluster import link_rate_bytes  # the emulated cluster's links, if we run there
         return model_choice(nbytes, shape.hosts, shape.ranks_per_host, model_constants_path(),
-                            rate)
+                            link_rate_bytes() or 0.0)
     if topology is not None and not topology.single_host:
         if nbytes < ACROSS_HOSTS_FROM:
             return "tree"
