@@ -285,10 +285,17 @@ def test_a_cluster_described_on_the_command_line():
     # the measured link as it was, on real hosts: no bucket, a core per rank
     assert on_cluster(measured).network == measured.network
     assert (on_cluster(measured).burst, on_cluster(measured).cores) == (0.0, 0)
-    # ranks sharing cores wait longer for every message, not for every byte
+    # ranks sharing cores queue for them with their own work (alpha + overhead: 1.1 ms a
+    # step), not with their bytes: 4 busy ranks on 2 cores make a step of 4e6-byte ring
+    # at least 2 x 1.1 ms, above 1.1 ms + 1e6 bytes x 1e-9 s of transfer
     crowded = Constants(**{**C.__dict__, "cores": 2})
     assert COSTS["all_reduce"]["ring"](4e6, Shape(1, 4), crowded) == pytest.approx(
-        6 * (2 * 1.1e-3 + 1e-3) + 3e-4)
+        6 * 2 * 1.1e-3 + 3e-4)
+    # with 4e7 bytes (a chunk of 1e7: 3 messages of at most 4 MiB) the transfer, 1e-2 s a
+    # step, hides the queue (2 x 3.3 ms): as with a core each
+    ring = COSTS["all_reduce"]["ring"]
+    assert ring(4e7, Shape(1, 4), crowded) == pytest.approx(6 * (3 * 1.1e-3 + 1e-2) + 3e-3)
+    assert ring(4e7, Shape(1, 4), crowded) == pytest.approx(ring(4e7, Shape(1, 4), C))
 
 
 def test_a_tree_broadcast_shares_the_parents_link_among_its_children():

@@ -30,8 +30,11 @@ given), "default" and "default@network" for the rest; "native" for the backend's
 
 When more ranks are busy than there are cores (one machine, or the emulated cluster,
 whose hosts all share this machine's `cores`), a step waits for its ranks to be
-scheduled: its fixed costs (alpha and overhead) grow by busy ranks / cores
-(`crowding`). Real hosts give each rank a core: `cores` 0, no such term.
+scheduled: each rank's own work in the step (alpha and overhead) queues for the cores
+with the others', while bytes in flight need none. A step lasts its work plus its
+transfer, or busy ranks / cores times its work if that is longer (`step`): the queue
+shows in small calls and hides behind the transfer of large ones. Real hosts give each
+rank a core: `cores` 0, no such term.
 
 However the messages fall, no link carries more than its rate allows: a call takes at
 least the bytes its busiest link carries in one direction times beta (`link_bound`),
@@ -95,6 +98,12 @@ class Constants:
     def crowding(self, busy_ranks: int) -> float:
         """How much longer a step's fixed costs take with `busy_ranks` sharing the cores."""
         return max(1.0, busy_ranks / self.cores) if self.cores else 1.0
+
+    def step(self, fixed: float, transfer: float, busy_ranks: int) -> float:
+        """A step in which each of `busy_ranks` ranks spends `fixed` seconds of its own
+        work (alpha, overhead) and `transfer` seconds waiting for bytes to move: with more
+        busy ranks than cores, their work queues for the cores while bytes are in flight."""
+        return max(fixed + transfer, self.crowding(busy_ranks) * fixed)
 
     def link_bound(self, link_bytes: float) -> float:
         """The least time for a call whose busiest link carries `link_bytes` one way."""
@@ -179,7 +188,7 @@ class Shape:
         (`idle_link`: the links rested before it, so their buckets are full)."""
         leaving = {}
         crossing = False
-        crowding = c.crowding(len({rank for pair in pairs for rank in pair}))
+        busy = len({rank for pair in pairs for rank in pair})
         for sender, receiver in pairs:
             if self.host(sender) != self.host(receiver):
                 crossing = True
@@ -187,9 +196,9 @@ class Shape:
         if crossing:
             streams = max(leaving.values())
             saving = c.burst_saving(streams * nbytes) if idle_link else 0.0
-            return (crowding * (c.per_message(algorithm, network=True) + c.network.alpha)
-                    + streams * nbytes * c.network.beta - saving)
-        return crowding * (c.per_message(algorithm) + c.local.alpha) + nbytes * c.local.beta
+            return c.step(c.per_message(algorithm, network=True) + c.network.alpha,
+                          streams * nbytes * c.network.beta - saving, busy)
+        return c.step(c.per_message(algorithm) + c.local.alpha, nbytes * c.local.beta, busy)
 
     def link_bytes(self, steps) -> float:
         """The bytes the busiest host link carries in one direction over `steps`, each

@@ -181,8 +181,9 @@ def _step_cost(chunk: float, shape: Shape, c: Constants, segment_bytes: int,
                algorithm: str) -> float:
     network = shape.hosts > 1
     route = shape.route(crosses_hosts=network, c=c)
-    per_message = (route.alpha + c.per_message(algorithm, network)) * c.crowding(shape.world_size)
-    return messages(chunk, segment_bytes) * per_message + chunk * route.beta
+    per_message = route.alpha + c.per_message(algorithm, network)
+    return c.step(messages(chunk, segment_bytes) * per_message, chunk * route.beta,
+                  shape.world_size)
 
 
 def _steps_cost(nbytes: float, shape: Shape, c: Constants, segment_bytes: int,

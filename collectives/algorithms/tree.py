@@ -112,15 +112,15 @@ def _broadcast_time(nbytes: float, shape: Shape, c: Constants, algorithm: str) -
     for parent in range(n):  # every child has a higher rank than its parent
         children = _children(parent, n)
         crossing = sum(shape.host(child) != shape.host(parent) for child in children)
-        busy = c.crowding(1 + len(children))
+        busy = 1 + len(children)
         for child in children:
             if shape.host(child) != shape.host(parent):
-                message = (busy * (c.network.alpha + c.per_message(algorithm, network=True))
-                           + crossing * nbytes * c.network.beta
-                           - c.burst_saving(crossing * nbytes))
+                message = c.step(c.network.alpha + c.per_message(algorithm, network=True),
+                                 crossing * nbytes * c.network.beta
+                                 - c.burst_saving(crossing * nbytes), busy)
             else:
-                message = (busy * (c.local.alpha + c.per_message(algorithm))
-                           + nbytes * c.local.beta)
+                message = c.step(c.local.alpha + c.per_message(algorithm),
+                                 nbytes * c.local.beta, busy)
             arrival[child] = arrival[parent] + message
     return max(arrival)
 
