@@ -5,11 +5,20 @@
     collectives.reduce_scatter(output, input, op="sum")             output = my chunk
     collectives.all_gather(output, input)                           output = all chunks
 
-Each call checks its arguments, then (unless check=False) runs a small handshake in
-which every rank learns every other rank's call: collective, op, algorithm, dtype,
-numel, shape and root. If they differ, every rank raises the same RuntimeError naming
-both sides, instead of hanging or exchanging garbage. The handshake is one native
-all-reduce of a few integers; its cost is a row of its own in the benchmark.
+Each call checks its arguments, then (unless check=False) every rank learns every
+other rank's call: collective, op, algorithm, dtype, numel, shape and root. If they
+differ, every rank raises the same RuntimeError naming both sides, instead of hanging
+or exchanging garbage. How the ranks learn it:
+
+- the whole world on one host, shared memory on (transport/shm.py's call board): each
+  rank writes its call where the others can read it, runs the call, then reads theirs.
+  No message of its own: an all-reduce costs a few memory reads more. Calls that
+  disagree are caught during or after the exchange (a stalled rank reads the board
+  while it waits), so the tensors may then hold garbage and the communicator is out of
+  step: every later call on it is refused;
+- anywhere else, and for the backend's own and the hierarchical algorithms, a handshake
+  before the call: one small all-reduce of a few integers per rank, in which nothing of
+  the call's data moves. Its cost is a row of its own in the benchmark.
 
 Debug mode (COLLECTIVES_DEBUG=DETAIL, like TORCH_DISTRIBUTED_DEBUG=DETAIL) runs the
 handshake on every call, even check=False ones, with each rank's call count in it, so
@@ -21,6 +30,7 @@ and the rank that was being waited for.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import zlib
 from typing import List, Optional, Sequence, Union
@@ -30,7 +40,7 @@ import torch
 from . import algorithms
 from . import trace
 from .world import get_comm
-from .transport import REDUCE_OPS, PeerError, Transport
+from .transport import REDUCE_OPS, CallMismatch, PeerError, Transport
 
 DEBUG = os.environ.get("COLLECTIVES_DEBUG", "").upper() == "DETAIL"
 
@@ -62,6 +72,7 @@ def _check_choice(value: str, allowed: Sequence[str], what: str) -> None:
 _SHOWN_DIMS = 4  # the handshake carries this many dimensions, and a checksum of all
 
 
+@functools.lru_cache(maxsize=256)
 def _shape_fields(shape: tuple) -> List[int]:
     shown = list(shape[:_SHOWN_DIMS]) + [-1] * (_SHOWN_DIMS - min(len(shape), _SHOWN_DIMS))
     return [len(shape)] + shown + [zlib.crc32(repr(shape).encode())]
@@ -101,36 +112,79 @@ def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
     return table.tolist()
 
 
+def _signature(comm: Transport, collective: str, tensor: torch.Tensor, op: Optional[str],
+               algorithm: str, root: int) -> List[int]:
+    """A call as a row of integers (with its number on this communicator in debug mode)."""
+    sequence = getattr(comm, "calls", 0) if DEBUG else -1
+    return [_COLLECTIVES.index(collective),
+            REDUCE_OPS.index(op) if op else -1,
+            ALGORITHM_IDS[algorithm],
+            SUPPORTED_DTYPES.index(tensor.dtype),
+            tensor.numel(), root, sequence] + _shape_fields(tuple(tensor.shape))
+
+
+def _disagreement(collective: str, rows: List[Optional[List[int]]]) -> Optional[str]:
+    """The error naming two ranks whose calls differ (the first rank that called and the
+    first that called otherwise), or None if every rank's row agrees."""
+    known = [(rank, row) for rank, row in enumerate(rows) if row is not None]
+    first, row0 = known[0]
+    for peer, row in known[1:]:
+        if row != row0:
+            return (f"{collective}: ranks disagree: rank {first} called {_describe(row0)}, "
+                    f"rank {peer} called {_describe(row)}")
+    return None
+
+
 def agree_on_call(comm: Transport, collective: str, tensor: torch.Tensor,
                   op: Optional[str], algorithm: str, root: int = -1) -> None:
-    """Raise on every rank, naming both sides, if the ranks are not making the same call."""
-    sequence = getattr(comm, "calls", 0) if DEBUG else -1
-    signature = [_COLLECTIVES.index(collective),
-                 REDUCE_OPS.index(op) if op else -1,
-                 ALGORITHM_IDS[algorithm],
-                 SUPPORTED_DTYPES.index(tensor.dtype),
-                 tensor.numel(), root, sequence] + _shape_fields(tuple(tensor.shape))
-    rows = gather_rows(comm, signature)
-    for peer, row in enumerate(rows):
-        if row != rows[0]:
-            raise RuntimeError(f"{collective}: ranks disagree: rank 0 called "
-                               f"{_describe(rows[0])}, rank {peer} called {_describe(row)}")
+    """Raise on every rank, naming both sides, if the ranks are not making the same call
+    (a handshake of its own, before the call)."""
+    rows = gather_rows(comm, _signature(comm, collective, tensor, op, algorithm, root))
+    error = _disagreement(collective, rows)
+    if error:
+        raise RuntimeError(error)
+
+
+# Algorithms that run on the communicator's own point-to-point messages, whose waits
+# read the call board (transport/shm.py); the others check with a handshake first.
+_ON_THE_BOARD = ("ring", "tree", "halving-doubling", "naive")
 
 
 @contextlib.contextmanager
 def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, root=-1,
             check=True, runs=None):
-    """Run the handshake if asked (always in debug mode), count the call, name the
+    """Check the call if asked (with a handshake in debug mode), count it, name the
     collective in any PeerError raised inside, and trace it (`runs`: the algorithm
     that `algorithm`, perhaps "auto", chose)."""
+    refused = getattr(comm, "out_of_step", None)
+    if refused:
+        raise RuntimeError(f"{collective}: refused, an earlier call on this communicator "
+                           f"left its ranks out of step: {refused}")
+    on_board = False
     if check or DEBUG:
-        agree_on_call(comm, collective, tensor, op, algorithm, root)
+        signature = _signature(comm, collective, tensor, op, algorithm, root)
+        on_board = (not DEBUG and runs in _ON_THE_BOARD and comm.announce_call(signature))
+        if not on_board:
+            agree_on_call(comm, collective, tensor, op, algorithm, root)
     comm.calls = getattr(comm, "calls", 0) + 1
     try:
         with trace.span(f"{collective} {runs or algorithm}", cat="comm",
                           bytes=tensor.numel() * tensor.element_size()):
             yield
+        if on_board:
+            comm.confirm_call()
+    except CallMismatch as mismatch:
+        comm.out_of_step = _disagreement(collective, mismatch.rows)
+        raise RuntimeError(comm.out_of_step) from None
     except PeerError as error:
+        if on_board:  # perhaps because the ranks made different calls: say so if they did
+            try:
+                comm.confirm_call(timeout=2.0)
+            except CallMismatch as mismatch:
+                comm.out_of_step = _disagreement(collective, mismatch.rows)
+                raise RuntimeError(comm.out_of_step) from error
+            except PeerError:
+                pass
         raise PeerError(f"{collective} ({algorithm}, call #{comm.calls}): {error}") from error
 
 

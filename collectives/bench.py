@@ -17,7 +17,11 @@ Besides the algorithms it measures two references: `native` (the backend's own
 collective) and, for all-reduce, `p2p-ring`: the ring all-reduce's exact message
 schedule (2(n-1) sendrecv steps of one chunk each) with no reduction, which is the
 practical limit of any ring on this transport. `handshake` is the argument check that
-collectives.all_reduce runs before each call unless check=False; it is timed alone.
+collectives.all_reduce runs before each call unless check=False, where it needs a
+message of its own (api.py); it is timed alone. `--check-cost` times what the check adds
+to a call as a user makes it: collectives.all_reduce(algorithm="auto") with the check
+(`checked`) and with check=False (`unchecked`), call by call in turns so that both see
+the same machine, and prints checked / unchecked.
 
 Through torch.distributed (`--torch-api`, all-reduce only), three more rows: `api`
 (collectives.all_reduce as a user calls it, auto and the argument check included),
@@ -123,23 +127,60 @@ class Runner:
         step()  # warm up: first-touch allocations, connections
         if self.trace_calls:
             self._trace(step, label)
-        started = time.perf_counter()
-        step()
-        once = self._slowest(time.perf_counter() - started)
-        budget = self.seconds_per_row / self.trials
-        iters = max(self.min_iters, min(200, int(budget / max(once, 1e-6))))
-        means = []
         nic_before = cluster.link_bytes()
-        for _ in range(self.trials):
-            self.comm.barrier()
-            started = time.perf_counter()
-            for _ in range(iters):
-                step()
-            means.append(self._slowest((time.perf_counter() - started) / iters))
+        seconds, iters = self._trials([step])
         if nic_before is not None:  # barriers and the timing all-reduces: a few hundred bytes
             sent = cluster.link_bytes()["sent"] - nic_before["sent"]
             self.nic_bytes_per_call = self._slowest(sent / (iters * self.trials))
-        return sorted(means)[len(means) // 2]
+        return seconds[0]
+
+    def _trials(self, steps) -> tuple:
+        """([seconds per call of each step], iterations per timed loop): each step's
+        median over trials, the steps' loops taking turns within every trial."""
+        started = time.perf_counter()
+        for step in steps:
+            step()
+        once = self._slowest((time.perf_counter() - started) / len(steps))
+        budget = self.seconds_per_row / self.trials
+        iters = max(self.min_iters, min(200, int(budget / max(once, 1e-6))))
+        means = [[] for _ in steps]
+        for _ in range(self.trials):
+            for step, times in zip(steps, means):
+                self.comm.barrier()
+                started = time.perf_counter()
+                for _ in range(iters):
+                    step()
+                times.append(self._slowest((time.perf_counter() - started) / iters))
+        return [sorted(times)[len(times) // 2] for times in means], iters
+
+    def check_cost(self, nbytes: int) -> List[Dict]:
+        """Rows `checked` and `unchecked`: collectives.all_reduce(algorithm="auto") of
+        `nbytes` with and without the check, timed in turns."""
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        count = max(1, nbytes // element)
+        zeros = torch.zeros(count, dtype=self.dtype)
+        steps = [lambda: api.all_reduce(zeros, "sum", "auto", self.comm),
+                 lambda: api.all_reduce(zeros, "sum", "auto", self.comm, check=False)]
+        for step in steps:
+            step()  # warm up
+        _, iters = self._trials(steps)  # how many calls fill a loop
+        # Then call by call in turns, each call timed: a drift of the machine's speed
+        # falls on both alike (timing whole loops in turns still left +-15 % here).
+        spent = [[] for _ in steps]
+        for _ in range(self.trials):
+            totals = [0.0] * len(steps)
+            self.comm.barrier()
+            for call in range(iters):
+                order = range(len(steps)) if call % 2 == 0 else reversed(range(len(steps)))
+                for index in order:  # each goes first every other time
+                    started = time.perf_counter()
+                    steps[index]()
+                    totals[index] += time.perf_counter() - started
+            for index, total in enumerate(totals):
+                spent[index].append(self._slowest(total / iters))
+        seconds = [sorted(times)[len(times) // 2] for times in spent]
+        return [self.measure_row("all_reduce", name, count, element, value, wrong=0)
+                for name, value in zip(("checked", "unchecked"), seconds)]
 
     def measure(self, op: str, algorithm: str, nbytes: int) -> Dict:
         comm, n = self.comm, self.comm.world_size
@@ -149,6 +190,11 @@ class Runner:
             count = max(n, count - count % n)
         step, wrong = self._build(op, algorithm, count)
         seconds = self._time(step, f"{op} {algorithm} {count * element} B")
+        return self.measure_row(op, algorithm, count, element, seconds, wrong)
+
+    def measure_row(self, op: str, algorithm: str, count: int, element: int,
+                    seconds: float, wrong: int) -> Dict:
+        comm, n = self.comm, self.comm.world_size
         algbw = count * element / seconds / 1e9
         shape = algorithms.auto.shape_of(n, comm.topology)
         row = dict(op=op, algorithm=algorithm, backend=comm.backend, transport=comm.name,
@@ -294,6 +340,12 @@ def run_benchmark(comm, args) -> List[Dict]:
                 row = runner.measure(op, algorithm, nbytes)
                 rows.append(row)
                 say(format_row(row), flush=True)
+    for nbytes in args.sizes if args.check_cost else ():
+        checked, unchecked = runner.check_cost(nbytes)
+        rows += [checked, unchecked]
+        say(format_row(checked) + "\n" + format_row(unchecked))
+        say(f"# the check: checked / unchecked = "
+            f"{checked['time_us'] / unchecked['time_us']:.3f}", flush=True)
     if args.handshake:
         row = runner.measure("handshake", "agree_on_call", 1)
         row.update(bytes=0, count=0, algbw_gbps=0.0, busbw_gbps=0.0)
@@ -362,6 +414,9 @@ def parser() -> argparse.ArgumentParser:
                    help="aim for about this much timing per row (default 1.0)")
     p.add_argument("--segment-kb", type=int, default=None,
                    help="ring segment size in KiB (default: the library's)")
+    p.add_argument("--check-cost", action="store_true",
+                   help="also time collectives.all_reduce with and without its argument "
+                        "check, in turns")
     p.add_argument("--no-handshake", dest="handshake", action="store_false",
                    help="skip timing the argument-check handshake")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")

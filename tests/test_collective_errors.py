@@ -26,19 +26,76 @@ def call_unknown_algorithm(comm):
     collectives.all_reduce(torch.ones(4), algorithm="butterfly")
 
 
+def call_with_op_by_rank(comm):  # the same messages: the exchange itself completes
+    collectives.all_reduce(torch.ones(1000), op="sum" if comm.rank == 0 else "max",
+                           algorithm="ring")
+
+
+def call_with_collective_by_rank(comm):  # messages that never come: a stall
+    if comm.rank == 0:
+        collectives.broadcast(torch.ones(1000), src=0, algorithm="tree")
+    else:
+        collectives.all_reduce(torch.ones(1000), algorithm="ring")
+
+
+# shm "on": the whole world on one host, checked on the call board (no message of its
+# own; a disagreement is caught during or after the exchange); "off": the handshake.
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("shm", ["on", "off"])
 @pytest.mark.parametrize("function, words", [
     (call_with_numel_by_rank, ["rank 0 called all_reduce numel=10", "numel=11"]),
     (call_with_dtype_by_rank, ["dtype=float32", "dtype=float64"]),
     (call_with_root_by_rank, ["root=0", "root=1"]),
     (call_unknown_algorithm, ["unknown algorithm 'butterfly': choose from auto, ring"]),
+    (call_with_op_by_rank, ["rank 0 called all_reduce", "op=sum", "op=max"]),
+    (call_with_collective_by_rank, ["rank 0 called broadcast", "rank 1 called all_reduce"]),
 ])
-def test_mismatch_raises_on_every_rank_naming_both_sides(function, words):
-    results = run_world_collecting_errors(function, 3, timeout=90)
+def test_mismatch_raises_on_every_rank_naming_both_sides(function, words, shm):
+    results = run_world_collecting_errors(function, 3, timeout=90, shm=shm)
+    messages = set()
     for rank, (status, message) in enumerate(results):
         assert status == "raised", f"rank {rank} did not raise"
         for word in words:
             assert word in message, message
+        messages.add(message.split("ranks disagree")[-1])
+    assert len(messages) == 1, messages  # every rank names the same two calls
+
+
+def count_messages_of_checked_and_unchecked_calls(comm):
+    sent = []
+    for check in (True, False):
+        before = comm.traffic.snapshot().messages_sent
+        collectives.all_reduce(torch.ones(1 << 12), algorithm="ring", check=check)
+        sent.append(comm.traffic.snapshot().messages_sent - before)
+    return sent
+
+
+@pytest.mark.timeout(120)
+def test_a_checked_call_on_one_host_sends_no_message_of_its_own():
+    on_board = run_world(count_messages_of_checked_and_unchecked_calls, 3, shm="on")
+    assert all(checked == unchecked > 0 for checked, unchecked in on_board), on_board
+    # without shared memory the check is a handshake: messages of its own
+    handshake = run_world(count_messages_of_checked_and_unchecked_calls, 3, shm="off")
+    assert all(checked > unchecked for checked, unchecked in handshake), handshake
+
+
+def disagree_then_call_again(comm):
+    try:
+        call_with_op_by_rank(comm)
+    except RuntimeError:
+        pass
+    try:
+        collectives.all_reduce(torch.ones(4))
+    except RuntimeError as error:
+        return str(error)
+    return "returned"
+
+
+@pytest.mark.timeout(120)
+def test_after_a_disagreement_caught_on_the_board_the_communicator_refuses_calls():
+    # the exchange ran before the disagreement was seen: the ranks are out of step
+    for message in run_world(disagree_then_call_again, 3, shm="on"):
+        assert "refused" in message and "op=sum" in message, message
 
 
 def die_before_all_reduce(comm):

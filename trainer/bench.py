@@ -32,6 +32,12 @@ it measures:
                   then in waited_ms
     hidden_share  how much of comm_ms ran while the training thread computed:
                   1 - waited_ms / comm_ms (per rank, then averaged over the ranks)
+    cpu_ms        per step, the CPU time of the whole process (every thread: training,
+                  ours or gloo's communication threads, torch's own)
+    comm_cpu_ms   what communication cost in CPU: cpu_ms less the CPU of the
+                  compute-only step above. The same bytes moved by ours and by
+                  torch's C++ can be compared here (on 2 shared cores, CPU that
+                  communication takes is CPU the other ranks' compute cannot have)
     images_per_s  world_size x batch size / step_ms
     mb_per_step   megabytes this rank sent per step: on the emulated cluster its host's
                   NIC (headers included, divided by the ranks on the host); elsewhere
@@ -83,11 +89,12 @@ def union_seconds(intervals) -> float:
     return total / 1e9
 
 
-def _time_once(comm, step) -> float:
+def _time_once(comm, step) -> tuple:
+    """(seconds, CPU seconds of this whole process) that one call of `step` took."""
     comm.barrier()
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     step()
-    return time.perf_counter() - started
+    return time.perf_counter() - started, time.process_time() - cpu
 
 
 def aligned_warmup(wanted: int, period: int, warmup_steps: int) -> int:
@@ -124,7 +131,7 @@ class Variant:
         self.steps_per_round = math.ceil(args.steps / self.period) * self.period
         self.warmup = aligned_warmup(args.warmup, self.period, self.strategy.warmup_steps)
         self.steps_done = 0
-        self.samples = {"step": [], "compute": []}
+        self.samples = {"step": [], "compute": [], "step_cpu": [], "compute_cpu": []}
         self.sent_bytes = self.waited = self.communicating = 0.0
 
     def train_step(self):  # the trainer's order: backward, after_backward, step, after_step
@@ -187,13 +194,16 @@ class Variant:
             (trace.resume if self.trace_left > 0 else trace.pause)()
             self.trace_left -= 1
             last = index == self.steps_per_round - 1
-            self.samples["step"].append(
-                _time_once(comm, self.last_step_of_round if last else self.train_step))
+            seconds, cpu = _time_once(comm, self.last_step_of_round if last else self.train_step)
+            self.samples["step"].append(seconds)
+            self.samples["step_cpu"].append(cpu)
         trace.pause()
         self.sent_bytes += self.sent.read() - sent_before
         self.communicating += self.communicating_seconds() - communicating_before
         self.waited += self.clock.waited
-        self.samples["compute"].append(_time_once(comm, self.compute_only_step))
+        seconds, cpu = _time_once(comm, self.compute_only_step)
+        self.samples["compute"].append(seconds)
+        self.samples["compute_cpu"].append(cpu)
 
     def row(self, comm, args):
         steps = len(self.samples["step"])
@@ -205,6 +215,9 @@ class Variant:
         step, compute, waited, sent, communicating = _over_ranks(comm, [
             mean(self.samples["step"]), mean(self.samples["compute"]), self.waited / steps,
             self.sent_bytes / steps, self.communicating / steps], "max")
+        # CPU: the mean over ranks (every rank's CPU comes out of the same cores)
+        cpu, compute_cpu = (total / comm.world_size for total in _over_ranks(
+            comm, [mean(self.samples["step_cpu"]), mean(self.samples["compute_cpu"])], "sum"))
         (hidden_sum,) = _over_ranks(comm, [hidden], "sum")  # each rank's share, averaged
         row = dict(sync=self.name, world_size=comm.world_size, model=args.model,
                    batch_size=args.batch_size,
@@ -212,7 +225,8 @@ class Variant:
                    step_ms=step * 1e3, compute_ms=compute * 1e3, waited_ms=waited * 1e3,
                    comm_ms=communicating * 1e3 if seen else None,
                    hidden_share=hidden_sum / comm.world_size if seen else None,
-                   mb_per_step=sent / 1e6, steps=steps, events=steps // self.period)
+                   mb_per_step=sent / 1e6, steps=steps, events=steps // self.period,
+                   cpu_ms=cpu * 1e3, comm_cpu_ms=(cpu - compute_cpu) * 1e3)
         self.strategy.close()  # background rounds (async-avg, delayed) end together
         return row
 
@@ -227,7 +241,8 @@ def rank_main(args):
               f"per rank, {args.rounds} rounds of {args.steps} timed steps each (whole "
               "periods for periodic strategies), alternating")
         print(f"{'sync':>13} {'img/s':>7} {'step ms':>8} {'compute ms':>10} {'waited ms':>9} "
-              f"{'comm ms':>8} {'hidden':>6} {'MB/step':>8} {'steps':>5} {'events':>6}")
+              f"{'comm ms':>8} {'hidden':>6} {'MB/step':>8} {'steps':>5} {'events':>6} "
+              f"{'cpu ms':>7} {'comm cpu':>8}")
     variants = [Variant(comm, name, args) for name in args.sync]
     for variant in variants:
         variant.warm_up()
@@ -243,7 +258,8 @@ def rank_main(args):
             print(f"{row['sync']:>13} {row['images_per_s']:>7.1f} {row['step_ms']:>8.0f} "
                   f"{row['compute_ms']:>10.0f} {row['waited_ms']:>9.0f} {comm_ms:>8} "
                   f"{hidden:>6} {row['mb_per_step']:>8.2f} {row['steps']:>5} "
-                  f"{row['events']:>6}", flush=True)
+                  f"{row['events']:>6} {row['cpu_ms']:>7.0f} {row['comm_cpu_ms']:>8.0f}",
+                  flush=True)
     if comm.rank == 0 and args.json:
         with open(args.json, "w") as out:
             for row in rows:

@@ -1,7 +1,7 @@
 """Transports: the only layer that knows which backend moves the bytes."""
-from .base import Handle, PeerError, Traffic, Transport, REDUCE_OPS
+from .base import CallMismatch, Handle, PeerError, Traffic, Transport, REDUCE_OPS
 from .local import LocalTransport
 from .shm import ShmTransport
 
-__all__ = ["Handle", "PeerError", "Traffic", "Transport", "LocalTransport", "ShmTransport",
+__all__ = ["CallMismatch", "Handle", "PeerError", "Traffic", "Transport", "LocalTransport", "ShmTransport",
            "REDUCE_OPS"]

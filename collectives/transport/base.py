@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -92,6 +92,15 @@ class Traffic:
 
 class PeerError(RuntimeError):
     """Talking to another rank failed: it died, stalled past the timeout, or disagreed."""
+
+
+class CallMismatch(PeerError):
+    """The ranks announced different calls (Transport.announce_call). `rows` holds each
+    rank's announced row, in rank order (None: not announced yet); api.py names them."""
+
+    def __init__(self, rows: List[Optional[List[int]]]):
+        super().__init__("the ranks announced different calls")
+        self.rows = rows
 
 
 class Handle:
@@ -347,6 +356,20 @@ class Transport:
         return twin
 
     def _duplicate(self) -> "Transport":
+        raise NotImplementedError
+
+    # --- the call check without a message of its own (api.py) --------------------------
+    def announce_call(self, row: List[int]) -> bool:
+        """Publish this rank's next checked call (a row of integers) where every peer
+        can read it without a message; False where this transport cannot (then api.py
+        exchanges the rows in a handshake). shm.py can when the whole world is on one
+        host. After announcing, the call runs, and then confirm_call()."""
+        return False
+
+    def confirm_call(self, timeout: Optional[float] = None) -> None:
+        """After an announced call: return once every rank has announced its own, or
+        raise CallMismatch if any differs (PeerError if a rank has not within `timeout`
+        seconds, by default the communicator's)."""
         raise NotImplementedError
 
     def close(self) -> None:

@@ -15,6 +15,7 @@ Every rank creates one segment, its inbox, and maps every peer's:
     +---------+----------------------------------+----------------------------+---
     | pid     | channel from rank 0              | channel from rank 2        | ...
     | bell    | free filled | slot 0 | ... | slot K-1                        |
+    | board   |                                  |                            |
     +---------+----------------------------------+----------------------------+---
 
 A channel carries one direction between two ranks: K slots used in turn, and two
@@ -43,6 +44,19 @@ Errors: a wait past the timeout raises PeerError, and so does a peer whose proce
 has exited (checked by pid ten times a second while asleep, so a dead peer is
 caught in well under a second). A message of another size than the receive posted
 for it raises PeerError naming both.
+
+The call board: api.py checks that the ranks make the same call (collective, sizes,
+dtype, op, root). Where the whole world is on one host it needs no message for it:
+each rank writes its call's row into its own segment's board before the call's first
+message (`announce_call`, the call's number written last) and reads the others' after
+the call (`confirm_call`). A call whose every result depends on every rank (all-reduce)
+cannot finish before every rank has announced it, so confirming costs a few reads;
+a broadcast's root may wait there for the others to arrive. Calls that disagree may
+exchange garbage or stall before they are confirmed: a rank waiting with nothing moving
+reads the board at every nap, and every rank raises CallMismatch, which api.py turns
+into one error naming both calls, within a nap or two. Each rank is at most one
+confirmed call ahead of any other, so a board of 4 entries, used in turn, is never
+overwritten before it is read.
 
 Routes: a job that spans hosts keeps shared memory inside each host. Each peer is
 reached by the best route: through a channel when it shares our host, through the
@@ -76,13 +90,16 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 import torch
 
-from .base import DoneHandle, Handle, PeerError, Transport, nbytes, reduce_into
+from .base import CallMismatch, DoneHandle, Handle, PeerError, Transport, nbytes, reduce_into
 
 SLOT_BYTES = 1 << 20  # one piece of a message (measured: docs/benchmarks.md)
 SLOTS = 4             # pieces in flight per channel
 _LINE = 64            # shared fields sit on cache lines of their own; a sem_t fits in one
 _SLOT_HEADER = 64     # message size, piece offset, piece size (3 int64)
 _NAP_SECONDS = 0.1    # longest sleep on the bell before checking deadline and peers
+_BOARD_ENTRIES = 4    # announced calls kept, used in turn (see the call board above)
+_BOARD_WORDS = 32     # int64 per entry: the call's number, the row's length, the row
+_HEADER = 2 * _LINE + _BOARD_ENTRIES * _BOARD_WORDS * 8  # pid, bell, board
 _REMOTE_POLL_SECONDS = 0.0005  # a wait on the network checks it this often while shm is busy
 
 
@@ -137,7 +154,7 @@ def _sem_nap(address: int, seconds: float) -> bool:
 def _layout(local_size: int, slots: int, slot_bytes: int):
     """Byte offsets of a segment: (channel size, segment size)."""
     channel = 2 * _LINE + slots * (_SLOT_HEADER + slot_bytes)
-    return channel, 2 * _LINE + local_size * channel
+    return channel, _HEADER + local_size * channel
 
 
 class _Segment:
@@ -171,15 +188,17 @@ class _Segment:
         self.bytes = torch.frombuffer(self.map, dtype=torch.uint8)
         self.pid = ctypes.c_int64.from_buffer(self.map, 0)
         self.bell = self.address + _LINE
+        self.board = [(ctypes.c_int64 * _BOARD_WORDS).from_buffer(
+            self.map, 2 * _LINE + i * _BOARD_WORDS * 8) for i in range(_BOARD_ENTRIES)]
         if create:
             self.pid.value = os.getpid()
             _sem_init(self.bell, 0)
 
     def channel_offset(self, src: int) -> int:
-        return 2 * _LINE + src * self.channel_bytes
+        return _HEADER + src * self.channel_bytes
 
     def close(self) -> None:
-        self.bytes = self.pid = self._anchor = None  # views first, or the map can't close
+        self.bytes = self.pid = self.board = self._anchor = None  # views first, or the map can't close
         try:
             self.map.close()
         except BufferError:
@@ -366,6 +385,11 @@ class ShmTransport(Transport):
         self.pids = {p: segments[p].pid.value for p in local if p != me}
         self.watch_pids = watch_pids
         self.remote: List[_Remote] = []  # messages over the backend not yet seen done
+        self.announced = 0  # checked calls announced on our board
+        self.call: Optional[tuple] = None  # (number, digest) of the call not yet confirmed
+        # every rank's board, where the whole world shares this host (else None)
+        self.boards = ([segments[rank].board for rank in range(self.world_size)]
+                       if len(segments) == self.world_size else None)
 
     @property
     def name(self) -> str:
@@ -620,6 +644,8 @@ class ShmTransport(Transport):
                 continue  # a peer filled or freed a slot of ours: try again
             if time.monotonic() > deadline:
                 raise PeerError(f"{message.what} timed out after {timeout:g} s")
+            if self.call is not None:  # stalled: perhaps the ranks made different calls
+                self._raise_if_calls_differ()
             for peer in watch() if self.watch_pids else ():
                 if not _alive(self.pids[peer]):
                     raise PeerError(f"{message.what} failed: rank {peer} "
@@ -636,6 +662,73 @@ class ShmTransport(Transport):
                 raise PeerError(f"{handle.what} timed out after {timeout:g} s")
         handle.inner.wait()  # done, or nothing of ours is queued: the backend's own wait
 
+    # --- the call board -----------------------------------------------------------------
+    # An entry: [call number, digest of the row, the row's length, the row ...]. Peers
+    # compare digests; rows are read only to name a disagreement.
+    def announce_call(self, row: List[int]) -> bool:
+        if self.boards is None or len(row) > _BOARD_WORDS - 3:
+            return False  # peers on other hosts cannot read our board: the handshake
+        self.announced += 1
+        digest = hash(tuple(row))  # ints hash alike in every process
+        entry = self.boards[self.rank][self.announced % _BOARD_ENTRIES]
+        entry[0] = -1  # being written
+        entry[1] = digest
+        entry[2] = len(row)
+        entry[3:3 + len(row)] = row
+        entry[0] = self.announced  # last: the entry is complete
+        self.call = (self.announced, digest)
+        return True
+
+    def _digests(self) -> List[Optional[int]]:
+        """Each rank's digest for the call being checked (None: not announced yet)."""
+        number = self.call[0]
+        at = number % _BOARD_ENTRIES
+        return [board[at][1] if board[at][0] == number else None for board in self.boards]
+
+    def _rows(self) -> List[Optional[List[int]]]:
+        number, rows = self.call[0], []
+        for board in self.boards:
+            entry = board[number % _BOARD_ENTRIES]
+            words = entry[2:]
+            rows.append(words[1:1 + words[0]] if entry[0] == number else None)
+        return rows
+
+    def _raise_if_calls_differ(self) -> None:
+        """Raise CallMismatch if a rank announced another call than ours. Every rank
+        raises the same one: it waits (a second at most) for every row first."""
+        mine = self.call[1]
+        if all(digest is None or digest == mine for digest in self._digests()):
+            return
+        deadline = time.monotonic() + 1.0
+        while None in self._digests() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rows = self._rows()
+        self.call = None
+        raise CallMismatch(rows)
+
+    def confirm_call(self, timeout: Optional[float] = None) -> None:
+        if self._digests().count(self.call[1]) == self.world_size:
+            self.call = None  # the usual case: every rank announced the same call
+            return
+        timeout = self.timeout.total_seconds() if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        pause = 5e-5
+        while True:
+            digests = self._digests()
+            if any(digest is not None and digest != self.call[1] for digest in digests):
+                self._raise_if_calls_differ()
+            if None not in digests:
+                self.call = None
+                return
+            missing = digests.index(None)
+            if time.monotonic() > deadline:
+                raise PeerError(f"rank {missing} did not make call #{self.call[0]} "
+                                f"within {timeout:g} s")
+            if self.watch_pids and not _alive(self.pids[missing]):
+                raise PeerError(f"rank {missing} (pid {self.pids[missing]}) has exited")
+            time.sleep(pause)  # a broadcast's root, waiting for the others to arrive
+            pause = min(2 * pause, 0.01)
+
     # --- the rest goes to the backend ---------------------------------------------------
     def barrier(self) -> None:
         self.inner.barrier()
@@ -650,6 +743,7 @@ class ShmTransport(Transport):
         return ShmTransport.connect(self.inner.duplicate(), self.slots, self.slot_bytes)
 
     def close(self) -> None:
+        self.boards = None  # views of the segments: gone before they close
         for channel in [*self.outboxes.values(), *self.inboxes.values()]:
             channel.release()
         for segment in self.segments.values():
