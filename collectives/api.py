@@ -8,17 +8,20 @@
 Each call checks its arguments, then (unless check=False) every rank learns every
 other rank's call: collective, op, algorithm, dtype, numel, shape and root. If they
 differ, every rank raises the same RuntimeError naming both sides, instead of hanging
-or exchanging garbage. How the ranks learn it:
+or returning garbage as if nothing were wrong. How the ranks learn it:
 
 - the whole world on one host, shared memory on (transport/shm.py's call board): each
   rank writes its call where the others can read it, runs the call, then reads theirs.
   No message of its own: an all-reduce costs a few memory reads more. Calls that
   disagree are caught during or after the exchange (a stalled rank reads the board
-  while it waits), so the tensors may then hold garbage and the communicator is out of
-  step: every later call on it is refused;
-- anywhere else, and for the backend's own and the hierarchical algorithms, a handshake
-  before the call: one small all-reduce of a few integers per rank, in which nothing of
-  the call's data moves. Its cost is a row of its own in the benchmark.
+  while it waits), so the tensors may then hold garbage (the call raises) and messages
+  may be left half read: the communicator is out of step and refuses every later call,
+  as NCCL aborts a communicator. The backend's own and the hierarchical algorithms,
+  whose waits do not read the board, wait on it before they run instead;
+- anywhere else (ranks on several hosts, shared memory off), a handshake before the
+  call: one small all-reduce of a few integers per rank, in which nothing of the call's
+  data moves, so the communicator stays usable. Its cost is a row of its own in the
+  benchmark.
 
 Debug mode (COLLECTIVES_DEBUG=DETAIL, like TORCH_DISTRIBUTED_DEBUG=DETAIL) runs the
 handshake on every call, even check=False ones, with each rank's call count in it, so
@@ -112,8 +115,8 @@ def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
     return table.tolist()
 
 
-def _signature(comm: Transport, collective: str, tensor: torch.Tensor, op: Optional[str],
-               algorithm: str, root: int) -> List[int]:
+def call_signature(comm: Transport, collective: str, tensor: torch.Tensor,
+                   op: Optional[str], algorithm: str, root: int) -> List[int]:
     """A call as a row of integers (with its number on this communicator in debug mode)."""
     sequence = getattr(comm, "calls", 0) if DEBUG else -1
     return [_COLLECTIVES.index(collective),
@@ -135,18 +138,18 @@ def _disagreement(collective: str, rows: List[Optional[List[int]]]) -> Optional[
     return None
 
 
-def agree_on_call(comm: Transport, collective: str, tensor: torch.Tensor,
-                  op: Optional[str], algorithm: str, root: int = -1) -> None:
+def agree_on_call(comm: Transport, collective: str, signature: List[int]) -> None:
     """Raise on every rank, naming both sides, if the ranks are not making the same call
-    (a handshake of its own, before the call)."""
-    rows = gather_rows(comm, _signature(comm, collective, tensor, op, algorithm, root))
+    (`signature`, from _signature): a handshake of its own, before the call."""
+    rows = gather_rows(comm, signature)
     error = _disagreement(collective, rows)
     if error:
         raise RuntimeError(error)
 
 
 # Algorithms that run on the communicator's own point-to-point messages, whose waits
-# read the call board (transport/shm.py); the others check with a handshake first.
+# read the call board (transport/shm.py): they are checked after they ran. The others
+# (the backend's own, the hierarchy's threads) wait on the board before they run.
 _ON_THE_BOARD = ("ring", "tree", "halving-doubling", "naive")
 
 
@@ -156,36 +159,54 @@ def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, r
     """Check the call if asked (with a handshake in debug mode), count it, name the
     collective in any PeerError raised inside, and trace it (`runs`: the algorithm
     that `algorithm`, perhaps "auto", chose)."""
-    refused = getattr(comm, "out_of_step", None)
-    if refused:
+    if comm.out_of_step:
         raise RuntimeError(f"{collective}: refused, an earlier call on this communicator "
-                           f"left its ranks out of step: {refused}")
+                           f"left its ranks out of step: {comm.out_of_step}")
     on_board = False
     if check or DEBUG:
-        signature = _signature(comm, collective, tensor, op, algorithm, root)
-        on_board = (not DEBUG and runs in _ON_THE_BOARD and comm.announce_call(signature))
+        signature = call_signature(comm, collective, tensor, op, algorithm, root)
+        on_board = not DEBUG and comm.announce_call(signature)
         if not on_board:
-            agree_on_call(comm, collective, tensor, op, algorithm, root)
+            agree_on_call(comm, collective, signature)
     comm.calls = getattr(comm, "calls", 0) + 1
+    confirmed = not on_board
     try:
+        if not confirmed and runs not in _ON_THE_BOARD:
+            comm.confirm_call()  # its waits do not read the board: check before it runs
+            confirmed = True
         with trace.span(f"{collective} {runs or algorithm}", cat="comm",
                           bytes=tensor.numel() * tensor.element_size()):
             yield
-        if on_board:
+        if not confirmed:
             comm.confirm_call()
+            confirmed = True
     except CallMismatch as mismatch:
-        comm.out_of_step = _disagreement(collective, mismatch.rows)
-        raise RuntimeError(comm.out_of_step) from None
+        raise _out_of_step(comm, collective, mismatch) from None
     except PeerError as error:
-        if on_board:  # perhaps because the ranks made different calls: say so if they did
+        if not confirmed:  # perhaps because the ranks made different calls: say so if so
             try:
                 comm.confirm_call(timeout=2.0)
             except CallMismatch as mismatch:
-                comm.out_of_step = _disagreement(collective, mismatch.rows)
-                raise RuntimeError(comm.out_of_step) from error
+                raise _out_of_step(comm, collective, mismatch) from error
             except PeerError:
                 pass
         raise PeerError(f"{collective} ({algorithm}, call #{comm.calls}): {error}") from error
+    finally:
+        if not confirmed:  # ended by an error: whatever it left, later calls are refused
+            comm.forget_call()
+            comm.out_of_step = comm.out_of_step or (
+                f"{collective} call #{comm.calls} failed before every rank was seen to "
+                "make the same call")
+
+
+def _out_of_step(comm: Transport, collective: str, mismatch: CallMismatch) -> RuntimeError:
+    """The ranks disagreed, seen on the call board: the error every rank raises. The
+    call's messages may have moved (and be left half read): the communicator refuses
+    every later call."""
+    comm.out_of_step = (_disagreement(collective, mismatch.rows)
+                        or f"{collective}: ranks disagree: they announced different calls "
+                           f"#{comm.calls}")
+    return RuntimeError(comm.out_of_step)
 
 
 def _run_reduction(comm: Transport, function, flat: torch.Tensor, op: str, *args) -> None:

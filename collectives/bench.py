@@ -224,7 +224,8 @@ class Runner:
         if op == "all_reduce" and algorithm in TORCH_API_ROWS:
             return self._build_torch_api(algorithm, count)
         if op == "handshake":
-            return (lambda: api.agree_on_call(comm, "all_reduce", zeros, "sum", "ring")), 0
+            row = api.call_signature(comm, "all_reduce", zeros, "sum", "ring", -1)
+            return (lambda: api.agree_on_call(comm, "all_reduce", row)), 0
         if op == "all_reduce":
             data = _pattern(rank, count, dtype)
             api.all_reduce(data, "sum", algorithm, comm, check=False)

@@ -24,6 +24,10 @@ bucketer does what DDP's Reducer does:
    `param.grad`. DDP mode calls it automatically when backward ends (an autograd engine
    callback); the Horovod face calls it from optimizer.step().
 
+Each synced step leaves a profile (`profile()`): when every gradient became ready and
+how long each bucket's reduction ran. bucket_sizes.py sizes the buckets from it
+(DDP's bucket_cap_mb="auto").
+
 Accumulation: a step may be several backward passes. DDP's no_sync() passes
 (`enabled = False`) only accumulate into .grad; the next pass outside it reduces.
 Horovod's backward_passes_per_step = k (`passes_per_sync`): a gradient is put in its
@@ -66,6 +70,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import trace
+from .bucket_sizes import StepProfile
 from .launch.exit import stop_at_exit
 from .transport import Transport
 
@@ -232,6 +237,10 @@ class Bucketer:
         self.passes_per_sync = passes_per_sync
         self._arrivals = {id(p): 0 for b in self.buckets for p in b.params}
         self.worker = CommWorker()
+        self.synced_steps = 0  # steps whose reduction completed
+        self._ready_ns: Dict[int, int] = {}  # id(param) -> when it went in its bucket
+        self._reduce_seconds = [0.0] * len(self.buckets)
+        self._profile: Optional[StepProfile] = None
         self._pending: List[threading.Event] = []
         self._next_to_launch = 0
         self._step_started = False
@@ -259,6 +268,7 @@ class Bucketer:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
         self._fill_slot(bucket, position, view=self.gradient_as_bucket_view)
         bucket.ready[position] = True
+        self._ready_ns[id(param)] = time.perf_counter_ns()
         self._launch_ready_buckets()
 
     def _fill_slot(self, bucket: Bucket, position: int, view: bool = False) -> None:
@@ -290,9 +300,14 @@ class Bucketer:
                and all(self.buckets[self._next_to_launch].ready)):
             buffer = self.buckets[self._next_to_launch].buffer
             self._pending.append(self.worker.submit(
-                lambda b=buffer: self.reduce_bucket(b), f"bucket {self._next_to_launch}",
-                bytes=buffer.numel() * buffer.element_size()))
+                lambda b=buffer, i=self._next_to_launch: self._reduce_timed(i, b),
+                f"bucket {self._next_to_launch}", bytes=buffer.numel() * buffer.element_size()))
             self._next_to_launch += 1
+
+    def _reduce_timed(self, index: int, buffer: torch.Tensor) -> None:
+        started = time.perf_counter()
+        self.reduce_bucket(buffer)
+        self._reduce_seconds[index] = time.perf_counter() - started
 
     # --- after backward ----------------------------------------------------------------
     def finish(self, always: bool = False) -> None:
@@ -323,6 +338,8 @@ class Bucketer:
         finally:  # the sparse reductions end too, whatever happened to the buckets
             sparse_reduced, self._sparse_reduced = self._sparse_reduced, {}
             reduced_sparse = _wait_for_every_one(sparse_reduced)
+        self.synced_steps += 1
+        self._keep_profile(missing)
         if missing and self.unused == "error":
             names = ", ".join(self._name(p) for p in missing[:5])
             raise RuntimeError(
@@ -349,6 +366,28 @@ class Bucketer:
                     param.grad = slot if self.gradient_as_bucket_view else slot.clone()
                 elif param.grad.data_ptr() != slot.data_ptr():
                     param.grad.copy_(slot)
+
+    def _keep_profile(self, missing) -> None:
+        """Remember this step's profile (a gradient that did not arrive in backward
+        counts as ready when backward ended: finish() filled it in then)."""
+        flat = [p for b in self.buckets for p in b.params]
+        arrived = [self._ready_ns.get(id(p)) for p in flat]
+        self._ready_ns = {}
+        if all(at is None for at in arrived):
+            return
+        last = max(at for at in arrived if at is not None)
+        ready = [last if at is None else at for at in arrived]
+        first = min(ready)
+        self._profile = StepProfile(
+            param_bytes=[p.numel() * p.element_size() for p in flat],
+            ready_s=[(at - first) / 1e9 for at in ready],
+            buckets=[(b.buffer.numel() * b.buffer.element_size(), seconds)
+                     for b, seconds in zip(self.buckets, self._reduce_seconds)])
+
+    def profile(self) -> Optional[StepProfile]:
+        """The last synced step (None before there is one): when each gradient became
+        ready and how long each bucket's reduction took."""
+        return self._profile
 
     def shadow(self) -> None:
         """Take part in one step's reductions with nothing to contribute.

@@ -41,9 +41,14 @@ from torch import nn
 
 from .api import broadcast_coalesced, gather_rows
 from .world import adopt_torch_group, get_comm
+from .bucket_sizes import choose as choose_bucket_sizes
 from .bucketer import Bucketer
 from .sync import SyncStrategy, create
 from .transport import Transport
+
+# bucket_cap_mb="auto": synced steps with DDP's sizes before the buckets are re-cut (the
+# first step's reductions also pay for first-touch allocations and connections)
+AUTO_BUCKET_STEPS = 2
 
 
 def check_same_model(module: nn.Module, comm: Transport) -> None:
@@ -85,7 +90,11 @@ class DistributedDataParallel(nn.Module):
       init_sync: broadcast rank 0's parameters and buffers when wrapping (default True).
       process_group: a torch.distributed group to run over (default: `comm`, else the
           default group of collectives.init() or of the script's init_process_group).
-      bucket_cap_mb: gradient bucket size (default 25).
+      bucket_cap_mb: gradient bucket size (default 25), or "auto": sized for the link
+          after AUTO_BUCKET_STEPS synced steps with the defaults, from how long those
+          steps' reductions took and when their gradients became ready
+          (bucket_sizes.py). Every rank takes rank 0's sizes; `bucket_choice` holds
+          them and this rank's own fit and replay (a, b, exposed_s, buckets).
       find_unused_parameters: allow parameters without a gradient in a step (and leave
           .grad alone for those that no rank used). static_graph=True implies it, as
           torch's static graph supports unused parameters.
@@ -138,18 +147,53 @@ class DistributedDataParallel(nn.Module):
             sync = create(sync)
         self.sync: SyncStrategy = sync
         self.sync.setup(module, self.comm)
-        names = {id(p): name for name, p in module.named_parameters()}
+        auto = bucket_cap_mb == "auto"
+        cap = 25.0 if bucket_cap_mb is None or auto else bucket_cap_mb
+        if not isinstance(cap, (int, float)) or cap <= 0 or first_bucket_mb <= 0:
+            raise ValueError(f"bucket_cap_mb={bucket_cap_mb!r}, first_bucket_mb="
+                             f"{first_bucket_mb!r}: use megabytes above 0 (or \"auto\")")
         self.bucketer = None
+        self.bucket_choice: Optional[dict] = None  # bucket_cap_mb="auto": what it chose
+        self._bucketer_options = dict(
+            gradient_as_bucket_view=gradient_as_bucket_view,
+            unused="detect" if (find_unused_parameters or static_graph) else "error",
+            names={id(p): name for name, p in module.named_parameters()})
         if self.sync.uses_buckets:
-            unused = "detect" if (find_unused_parameters or static_graph) else "error"
-            self.bucketer = Bucketer(module.parameters(), self.sync.reduce_bucket, self.comm,
-                                     bucket_cap_mb=25.0 if bucket_cap_mb is None else bucket_cap_mb,
-                                     first_bucket_mb=first_bucket_mb,
-                                     gradient_as_bucket_view=gradient_as_bucket_view,
-                                     unused=unused, names=names)
-            check_same_buckets(self.bucketer, self.comm)
+            self._make_bucketer(float(cap), float(first_bucket_mb))
+        # Re-cut only where one dtype's buckets can be replayed and the strategy keeps
+        # nothing per bucket (topk's residuals are).
+        self._auto_buckets = (auto and self.bucketer is not None
+                              and not self.sync.keeps_bucket_state
+                              and len({(p.device, p.dtype) for p in module.parameters()
+                                       if p.requires_grad}) == 1)
+
+    def _make_bucketer(self, cap_mb: float, first_mb: float) -> None:
+        self.bucketer = Bucketer(self.module.parameters(), self.sync.reduce_bucket, self.comm,
+                                 bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
+                                 **self._bucketer_options)
+        check_same_buckets(self.bucketer, self.comm)
+        self.bucket_sizes_mb = (first_mb, cap_mb)
+
+    def _size_buckets_for_the_link(self) -> None:
+        """bucket_cap_mb="auto", collective: every rank takes rank 0's choice from its
+        profiled step and re-cuts its buckets if the choice differs."""
+        self._auto_buckets = False
+        profile = self.bucketer.profile()
+        first, cap, details = choose_bucket_sizes(profile) if profile else (0, 0, {})
+        chosen = gather_rows(self.comm, [round(first * 1024), round(cap * 1024)])[0]
+        if not chosen[1]:
+            return  # rank 0 saw no gradient arrive: DDP's sizes stay
+        first, cap = chosen[0] / 1024, chosen[1] / 1024
+        self.bucket_choice = dict(first_bucket_mb=first, bucket_cap_mb=cap, **details)
+        if (first, cap) != self.bucket_sizes_mb:
+            self.bucketer.close()
+            self._make_bucketer(cap, first)
 
     def forward(self, *inputs, **kwargs):
+        if (self._auto_buckets and self._join is None and torch.is_grad_enabled()
+                and self.bucketer.synced_steps >= AUTO_BUCKET_STEPS
+                and not self.bucketer.in_flight):
+            self._size_buckets_for_the_link()
         buffer_source = 0
         if self._join is not None and torch.is_grad_enabled():
             buffer_source = self._join.step_in(self)  # a rank that still has data

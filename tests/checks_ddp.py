@@ -109,7 +109,8 @@ def compare_with_torch_ddp(comm, kind, branches="none", accumulate=1, **ours_opt
     find_unused = kind == "mlp"  # branch_b is never used when branches == "none"
     theirs = torch.nn.parallel.DistributedDataParallel(
         make_model(kind), find_unused_parameters=find_unused,
-        bucket_cap_mb=ours_options.get("bucket_cap_mb", 25))
+        bucket_cap_mb=ours_options.get("bucket_cap_mb", 25)
+        if ours_options.get("bucket_cap_mb") != "auto" else 25)
     train(theirs, rank, world_size, kind, branches, accumulate)
     ours = collectives.DistributedDataParallel(make_model(kind), find_unused_parameters=find_unused,
                                                **ours_options)
@@ -120,6 +121,17 @@ def compare_with_torch_ddp(comm, kind, branches="none", accumulate=1, **ours_opt
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"{name} on rank {rank}: {m}")
     return digest_parameters(ours.module)
+
+
+def auto_buckets_equal_torch_ddp(comm):
+    """bucket_cap_mb="auto": the buckets are re-cut after two steps, the training still
+    equals torch's DDP; returns (digest, the choice, the sizes in use)."""
+    digest = compare_with_torch_ddp(comm, "mlp", bucket_cap_mb="auto")
+    ours = collectives.DistributedDataParallel(make_model("mlp"), find_unused_parameters=True,
+                                               bucket_cap_mb="auto")
+    train(ours, comm.rank, comm.world_size, "mlp")
+    choice = ours.bucket_choice
+    return digest, sorted(choice.items()), ours.bucket_sizes_mb
 
 
 def train_ours(comm, kind, **options):

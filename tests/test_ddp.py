@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from checks_ddp import compare_with_torch_ddp, train_ours
+from checks_ddp import auto_buckets_equal_torch_ddp, compare_with_torch_ddp, train_ours
 from collectives.launch.mpirun import find_mpirun
 from distributed import run_world, run_world_collecting_errors
 
@@ -42,6 +42,16 @@ def test_bucketing_variants_equal_torch_ddp(options):
     kwargs = dict(options)
     results = run_world(_compare_mlp, 3, (accumulate, kwargs), timeout=180)
     assert_same_on_every_rank(results)
+
+
+@pytest.mark.timeout(200)
+def test_buckets_sized_for_the_link_are_chosen_alike_and_train_as_torch_ddp():
+    results = run_world(auto_buckets_equal_torch_ddp, 3, timeout=180)
+    assert_same_on_every_rank([digest for digest, _, _ in results])
+    for _, choice, sizes in results:  # rank 0's sizes, on every rank, and in use
+        choice = dict(choice)
+        assert (choice["first_bucket_mb"], choice["bucket_cap_mb"]) == sizes == results[0][2]
+        assert choice["buckets"] >= 1 and choice["exposed_s"] >= 0  # this rank's own replay
 
 
 def _compare_mlp(comm, accumulate, options):

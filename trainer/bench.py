@@ -39,6 +39,8 @@ it measures:
                   torch's C++ can be compared here (on 2 shared cores, CPU that
                   communication takes is CPU the other ranks' compute cannot have)
     images_per_s  world_size x batch size / step_ms
+    bucket_mb     the buckets in use, first/later in MiB (--bucket-mb auto: as chosen
+                  during the warm-up; torch's rows: torch's 1 MiB first bucket and cap)
     mb_per_step   megabytes this rank sent per step: on the emulated cluster its host's
                   NIC (headers included, divided by the ranks on the host); elsewhere
                   our transport's counter (shared memory and network alike; for
@@ -66,6 +68,7 @@ from collectives import sync as sync_registry
 from collectives import trace
 from collectives.launch import add_local_rank_argument
 from . import torch_peers
+from .loop.cli import bucket_size
 from .loop.models import ARCHITECTURES, build_model
 from .timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 
@@ -129,7 +132,10 @@ class Variant:
         self.sent = SentBytes(comm, self.strategy)
         self.period = self.strategy.period
         self.steps_per_round = math.ceil(args.steps / self.period) * self.period
-        self.warmup = aligned_warmup(args.warmup, self.period, self.strategy.warmup_steps)
+        wanted = args.warmup
+        if args.bucket_mb == "auto":  # the buckets are re-cut during the warm-up
+            wanted = max(wanted, collectives.ddp.AUTO_BUCKET_STEPS + 1)
+        self.warmup = aligned_warmup(wanted, self.period, self.strategy.warmup_steps)
         self.steps_done = 0
         self.samples = {"step": [], "compute": [], "step_cpu": [], "compute_cpu": []}
         self.sent_bytes = self.waited = self.communicating = 0.0
@@ -205,6 +211,15 @@ class Variant:
         self.samples["compute"].append(seconds)
         self.samples["compute_cpu"].append(cpu)
 
+    def bucket_mb(self, args) -> str:
+        """The buckets in use: "first/cap" in MiB (torch's rows: the cap it was given)."""
+        sizes = getattr(self.wrapped, "bucket_sizes_mb", None)
+        if sizes is not None and getattr(self.wrapped, "bucketer", None) is not None:
+            return f"{sizes[0]:g}/{sizes[1]:g}"
+        if torch_peers.is_peer(self.name):
+            return f"1/{25 if args.bucket_mb == 'auto' else args.bucket_mb:g}"
+        return "-"
+
     def row(self, comm, args):
         steps = len(self.samples["step"])
         mean = lambda values: sum(values) / len(values)  # noqa: E731
@@ -226,7 +241,8 @@ class Variant:
                    comm_ms=communicating * 1e3 if seen else None,
                    hidden_share=hidden_sum / comm.world_size if seen else None,
                    mb_per_step=sent / 1e6, steps=steps, events=steps // self.period,
-                   cpu_ms=cpu * 1e3, comm_cpu_ms=(cpu - compute_cpu) * 1e3)
+                   cpu_ms=cpu * 1e3, comm_cpu_ms=(cpu - compute_cpu) * 1e3,
+                   bucket_mb=self.bucket_mb(args))
         self.strategy.close()  # background rounds (async-avg, delayed) end together
         return row
 
@@ -242,7 +258,7 @@ def rank_main(args):
               "periods for periodic strategies), alternating")
         print(f"{'sync':>13} {'img/s':>7} {'step ms':>8} {'compute ms':>10} {'waited ms':>9} "
               f"{'comm ms':>8} {'hidden':>6} {'MB/step':>8} {'steps':>5} {'events':>6} "
-              f"{'cpu ms':>7} {'comm cpu':>8}")
+              f"{'cpu ms':>7} {'comm cpu':>8} {'buckets MB':>10}")
     variants = [Variant(comm, name, args) for name in args.sync]
     for variant in variants:
         variant.warm_up()
@@ -258,7 +274,8 @@ def rank_main(args):
             print(f"{row['sync']:>13} {row['images_per_s']:>7.1f} {row['step_ms']:>8.0f} "
                   f"{row['compute_ms']:>10.0f} {row['waited_ms']:>9.0f} {comm_ms:>8} "
                   f"{hidden:>6} {row['mb_per_step']:>8.2f} {row['steps']:>5} "
-                  f"{row['events']:>6} {row['cpu_ms']:>7.0f} {row['comm_cpu_ms']:>8.0f}",
+                  f"{row['events']:>6} {row['cpu_ms']:>7.0f} {row['comm_cpu_ms']:>8.0f} "
+                  f"{row['bucket_mb']:>10}",
                   flush=True)
     if comm.rank == 0 and args.json:
         with open(args.json, "w") as out:
@@ -288,7 +305,10 @@ def main(argv=None):
                    help="rounds; each times every sync in turn (default 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--algorithm", default="auto", help="our collective algorithm (default auto)")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--bucket-mb", type=bucket_size, default="auto",
+                   help="our buckets' cap in MiB, or auto (default): sized for the link "
+                        "during the warm-up (collectives/bucket_sizes.py); torch's rows "
+                        "keep torch's default, 25, unless a number is given")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
     p.add_argument("--trace", metavar="DIR", help="trace the first timed steps of every "
                    "sync into DIR/trace.json (python -m collectives.trace DIR draws it)")

@@ -90,9 +90,10 @@ class TorchPeer:
         self.traffic: Optional[Traffic] = None
         self.hook_state = None  # the state torch's hook keeps across steps, if it has one
 
-    def wrap(self, model: torch.nn.Module, bucket_cap_mb: float = 25.0,
+    def wrap(self, model: torch.nn.Module, bucket_cap_mb=None,
              observed: bool = False) -> torch.nn.Module:
-        """torch's DistributedDataParallel around `model`, with this peer's hook.
+        """torch's DistributedDataParallel around `model`, with this peer's hook
+        (bucket_cap_mb None or "auto": torch's default, 25).
 
         observed: see when each bucket's communication runs. torch's collectives run in
         C++, so the hook is wrapped: a bucket runs from the call of the hook to the
@@ -109,7 +110,8 @@ class TorchPeer:
             torch_backend.register()
             group = dist.new_group(backend=torch_backend.NAME)
             self.traffic = _transport_traffic(group)
-        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb,
+        cap = None if bucket_cap_mb == "auto" else bucket_cap_mb
+        wrapped = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap,
                                                             process_group=group)
         state, hook = group, default_hooks.allreduce_hook if observed else None
         if self.name == "ddp-fp16":

@@ -78,6 +78,9 @@ class SyncStrategy:
     replicas_differ = False
     period = 1
     warmup_steps = 0
+    # True: the strategy keeps state per gradient bucket (topk's residuals), so the
+    # buckets must not be re-cut once training has begun (bucket_cap_mb="auto").
+    keeps_bucket_state = False
     # fp16 AMP: the torch.amp.GradScaler whose loss scale multiplies the gradients the
     # strategy sees (set by the training loop; None when gradients arrive unscaled).
     grad_scaler = None

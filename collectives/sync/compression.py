@@ -57,6 +57,7 @@ class TopK(AllReduce):
             raise ValueError(f"topk: ratio must be in (0, 1], got {ratio}")
         self.ratio = ratio
         self.errors: Dict[int, torch.Tensor] = {}  # per bucket index: what was not sent yet
+        self.keeps_bucket_state = True
         self.bucket_index: Dict[int, int] = {}     # a bucket buffer's address -> its index
 
     def _index_of(self, flat: torch.Tensor) -> int:

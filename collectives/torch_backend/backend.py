@@ -3,8 +3,8 @@
 torch.distributed calls these methods with its own argument shapes (lists of tensors,
 an options object); each one here unpacks them, queues the collective on the group's
 worker (work.py) and returns the Work. On the worker the collective runs through the
-public API (api.py): the same argument checks, the same handshake that makes ranks
-which disagree raise on every rank instead of exchanging garbage, the same algorithms
+public API (api.py): the same argument checks, the same check that makes ranks which
+disagree raise on every rank (after which the group refuses further work), the same algorithms
 (`auto` unless COLLECTIVES_ALGORITHM names one).
 
 What torch asks for that our algorithms do not do directly:

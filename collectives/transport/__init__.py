@@ -3,5 +3,5 @@ from .base import CallMismatch, Handle, PeerError, Traffic, Transport, REDUCE_OP
 from .local import LocalTransport
 from .shm import ShmTransport
 
-__all__ = ["CallMismatch", "Handle", "PeerError", "Traffic", "Transport", "LocalTransport", "ShmTransport",
-           "REDUCE_OPS"]
+__all__ = ["CallMismatch", "Handle", "PeerError", "Traffic", "Transport", "LocalTransport",
+           "ShmTransport", "REDUCE_OPS"]

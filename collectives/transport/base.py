@@ -211,6 +211,10 @@ class Transport:
     # Whether the backend's own collectives (native_all_reduce, native_broadcast,
     # barrier) exist here. Some ranks of a communicator (group.py) have none.
     native_collectives: bool = True
+    # Set (to why) when a call checked after its exchange turned out to disagree
+    # across ranks (api.py): messages of it may be left, and a transport that checks
+    # it (shm.py) refuses everything after.
+    out_of_step: Optional[str] = None
 
     def __init__(self, rank: int, world_size: int, local_rank: int,
                  device: torch.device, timeout: timedelta):
@@ -367,10 +371,14 @@ class Transport:
         return False
 
     def confirm_call(self, timeout: Optional[float] = None) -> None:
-        """After an announced call: return once every rank has announced its own, or
-        raise CallMismatch if any differs (PeerError if a rank has not within `timeout`
-        seconds, by default the communicator's)."""
+        """After an announced call (or before it runs, for algorithms that do not wait
+        on this transport's own messages): return once every rank has announced its
+        own, or raise CallMismatch if any differs (PeerError if a rank has not within
+        `timeout` seconds, by default the communicator's)."""
         raise NotImplementedError
+
+    def forget_call(self) -> None:
+        """The announced call ended without being confirmed (it raised)."""
 
     def close(self) -> None:
         """Release the backend's resources. The transport cannot be used afterwards."""

@@ -80,6 +80,7 @@ import contextlib
 import ctypes
 import mmap
 import os
+import platform
 import secrets
 import signal
 import sys
@@ -100,6 +101,9 @@ _NAP_SECONDS = 0.1    # longest sleep on the bell before checking deadline and p
 _BOARD_ENTRIES = 4    # announced calls kept, used in turn (see the call board above)
 _BOARD_WORDS = 32     # int64 per entry: the call's number, the row's length, the row
 _HEADER = 2 * _LINE + _BOARD_ENTRIES * _BOARD_WORDS * 8  # pid, bell, board
+# x86-64 makes stores visible to other cores in the order they were made (TSO), so an
+# entry whose number is there is whole; elsewhere (aarch64) each entry read is checked.
+_CHECK_ENTRIES = platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686")
 _REMOTE_POLL_SECONDS = 0.0005  # a wait on the network checks it this often while shm is busy
 
 
@@ -470,6 +474,7 @@ class ShmTransport(Transport):
 
     # --- point to point ---------------------------------------------------------------
     def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
+        self._refuse_if_out_of_step()
         if dst not in self.outboxes:
             return self._over_network(self.inner._isend(tensor, dst), tensor, dst,
                                       f"send to rank {dst}", sent=True)
@@ -478,6 +483,7 @@ class ShmTransport(Transport):
                            _Message(self, _as_bytes(tensor), dst, f"send to rank {dst}"))
 
     def _irecv(self, tensor: torch.Tensor, src: int) -> Handle:
+        self._refuse_if_out_of_step()
         if src not in self.inboxes:
             return self._over_network(self.inner._irecv(tensor, src), tensor, src,
                                       f"receive from rank {src}", sent=False)
@@ -498,6 +504,7 @@ class ShmTransport(Transport):
         With forward_to, the sum goes straight into the slot of the outgoing message
         and `accumulator` is only read: one pass over memory for receive, reduce, send.
         """
+        self._refuse_if_out_of_step()
         if (accumulator.device.type != "cpu" or src not in self.inboxes
                 or (forward_to is not None and forward_to not in self.outboxes)):
             return super().irecv_reduce(accumulator, src, op, scratch, forward_to)
@@ -664,10 +671,12 @@ class ShmTransport(Transport):
 
     # --- the call board -----------------------------------------------------------------
     # An entry: [call number, digest of the row, the row's length, the row ...]. Peers
-    # compare digests; rows are read only to name a disagreement.
+    # compare digests; rows are read to name a disagreement (and, where stores may
+    # become visible out of order, to check that an entry is whole).
     def announce_call(self, row: List[int]) -> bool:
         if self.boards is None or len(row) > _BOARD_WORDS - 3:
             return False  # peers on other hosts cannot read our board: the handshake
+        self._refuse_if_out_of_step()
         self.announced += 1
         digest = hash(tuple(row))  # ints hash alike in every process
         entry = self.boards[self.rank][self.announced % _BOARD_ENTRIES]
@@ -679,64 +688,88 @@ class ShmTransport(Transport):
         self.call = (self.announced, digest)
         return True
 
-    def _digests(self) -> List[Optional[int]]:
-        """Each rank's digest for the call being checked (None: not announced yet)."""
-        number = self.call[0]
-        at = number % _BOARD_ENTRIES
-        return [board[at][1] if board[at][0] == number else None for board in self.boards]
-
-    def _rows(self) -> List[Optional[List[int]]]:
-        number, rows = self.call[0], []
-        for board in self.boards:
-            entry = board[number % _BOARD_ENTRIES]
-            words = entry[2:]
-            rows.append(words[1:1 + words[0]] if entry[0] == number else None)
-        return rows
+    def _entry(self, rank: int, number: int, whole: bool = False) -> Optional[tuple]:
+        """(digest, row or None) of `rank`'s entry for call `number`; None if it has not
+        announced it. `whole`: read the row too, and take the entry only if it is
+        complete (its row matches its digest, its number did not change meanwhile)."""
+        entry = self.boards[rank][number % _BOARD_ENTRIES]
+        if entry[0] != number:
+            return None
+        digest = entry[1]
+        if not (whole or _CHECK_ENTRIES):
+            return digest, None
+        length = entry[2]
+        row = entry[3:3 + length] if 0 <= length <= _BOARD_WORDS - 3 else None
+        if row is None or hash(tuple(row)) != digest or entry[0] != number:
+            return None  # being written: not announced yet
+        return digest, row
 
     def _raise_if_calls_differ(self) -> None:
         """Raise CallMismatch if a rank announced another call than ours. Every rank
-        raises the same one: it waits (a second at most) for every row first."""
-        mine = self.call[1]
-        if all(digest is None or digest == mine for digest in self._digests()):
+        raises the same one: it first waits for every rank's entry (until the timeout,
+        or a missing rank's exit)."""
+        number, mine = self.call
+        entries = [self._entry(rank, number) for rank in range(self.world_size)]
+        if all(entry is None or entry[0] == mine for entry in entries):
             return
-        deadline = time.monotonic() + 1.0
-        while None in self._digests() and time.monotonic() < deadline:
+        deadline = time.monotonic() + self.timeout.total_seconds()
+        while True:
+            entries = [self._entry(rank, number, whole=True) for rank in range(self.world_size)]
+            missing = [rank for rank, entry in enumerate(entries) if entry is None]
+            if (not missing or time.monotonic() > deadline or self.watch_pids
+                    and not all(_alive(self.pids[rank]) for rank in missing)):
+                break
             time.sleep(0.01)
-        rows = self._rows()
         self.call = None
-        raise CallMismatch(rows)
+        raise CallMismatch([None if entry is None else entry[1] for entry in entries])
 
     def confirm_call(self, timeout: Optional[float] = None) -> None:
-        if self._digests().count(self.call[1]) == self.world_size:
+        number, mine = self.call
+        at = number % _BOARD_ENTRIES
+        if not _CHECK_ENTRIES and all(board[at][0] == number and board[at][1] == mine
+                                      for board in self.boards):
             self.call = None  # the usual case: every rank announced the same call
             return
         timeout = self.timeout.total_seconds() if timeout is None else timeout
         deadline = time.monotonic() + timeout
         pause = 5e-5
         while True:
-            digests = self._digests()
-            if any(digest is not None and digest != self.call[1] for digest in digests):
+            entries = [self._entry(rank, number) for rank in range(self.world_size)]
+            if any(entry is not None and entry[0] != mine for entry in entries):
                 self._raise_if_calls_differ()
-            if None not in digests:
+            if None not in entries:
                 self.call = None
                 return
-            missing = digests.index(None)
+            missing = entries.index(None)
             if time.monotonic() > deadline:
-                raise PeerError(f"rank {missing} did not make call #{self.call[0]} "
+                self.call = None
+                raise PeerError(f"rank {missing} did not make call #{number} "
                                 f"within {timeout:g} s")
             if self.watch_pids and not _alive(self.pids[missing]):
+                self.call = None
                 raise PeerError(f"rank {missing} (pid {self.pids[missing]}) has exited")
             time.sleep(pause)  # a broadcast's root, waiting for the others to arrive
             pause = min(2 * pause, 0.01)
 
+    def forget_call(self) -> None:
+        self.call = None
+
+    def _refuse_if_out_of_step(self) -> None:
+        if self.out_of_step:
+            raise PeerError(f"refused: an earlier call left the ranks out of step "
+                            f"({self.out_of_step})")
+
     # --- the rest goes to the backend ---------------------------------------------------
     def barrier(self) -> None:
+        self._refuse_if_out_of_step()
         self.inner.barrier()
 
     def _native_all_reduce(self, tensor: torch.Tensor, op: str) -> None:
+        self._refuse_if_out_of_step()
         self.inner._native_all_reduce(tensor, op)
 
     def _native_broadcast(self, tensor: torch.Tensor, src: int) -> None:
+        self._refuse_if_out_of_step()
         self.inner._native_broadcast(tensor, src)
 
     def _duplicate(self) -> Transport:

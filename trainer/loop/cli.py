@@ -54,6 +54,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def bucket_size(text: str):
+    """--bucket-mb: "auto" or megabytes above 0."""
+    if text == "auto":
+        return text
+    try:
+        return positive_float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"use megabytes above 0 or auto, got {text}") from None
+
+
 def non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
@@ -150,8 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--shm", default=None, choices=["auto", "on", "off"],
                       help="point-to-point through shared memory between ranks of one host "
                            "(gloo, mpi; default: $COLLECTIVES_SHM, else auto = when possible)")
-    comm.add_argument("--bucket-mb", type=positive_float, default=25.0,
-                      help="gradient bucket size cap in MiB (default: 25, as DDP)")
+    comm.add_argument("--bucket-mb", type=bucket_size, default="auto",
+                      help="gradient bucket size cap in MiB, or auto: sized for the link "
+                           "after two steps with DDP's 25 (collectives/bucket_sizes.py; "
+                           "torch's DDP rows keep torch's default). Default: auto")
     comm.add_argument("--timeout", type=positive_float, default=300.0,
                       help="seconds to wait for a silent peer before failing (default: 300)")
     add_local_rank_argument(comm)  # torch.distributed.launch passes --local-rank=N
