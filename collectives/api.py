@@ -140,7 +140,7 @@ def _disagreement(collective: str, rows: List[Optional[List[int]]]) -> Optional[
 
 def agree_on_call(comm: Transport, collective: str, signature: List[int]) -> None:
     """Raise on every rank, naming both sides, if the ranks are not making the same call
-    (`signature`, from _signature): a handshake of its own, before the call."""
+    (`signature`, from call_signature): a handshake of its own, before the call."""
     rows = gather_rows(comm, signature)
     error = _disagreement(collective, rows)
     if error:
@@ -190,6 +190,9 @@ def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, r
                 raise _out_of_step(comm, collective, mismatch) from error
             except PeerError:
                 pass
+            else:  # every rank made this call: the error was the peers' or the link's
+                comm.out_of_step = f"{collective} call #{comm.calls} failed: {error}"
+                confirmed = True
         raise PeerError(f"{collective} ({algorithm}, call #{comm.calls}): {error}") from error
     finally:
         if not confirmed:  # ended by an error: whatever it left, later calls are refused
@@ -200,12 +203,14 @@ def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, r
 
 
 def _out_of_step(comm: Transport, collective: str, mismatch: CallMismatch) -> RuntimeError:
-    """The ranks disagreed, seen on the call board: the error every rank raises. The
+    """The ranks disagreed, seen on the call board: the error every rank raises (named
+    after the first rank's collective, so that it reads the same on every rank). The
     call's messages may have moved (and be left half read): the communicator refuses
     every later call."""
-    comm.out_of_step = (_disagreement(collective, mismatch.rows)
-                        or f"{collective}: ranks disagree: they announced different calls "
-                           f"#{comm.calls}")
+    first = next((row for row in mismatch.rows if row is not None), None)
+    named = _COLLECTIVES[first[0]] if first else collective
+    comm.out_of_step = (_disagreement(named, mismatch.rows)
+                        or f"{named}: ranks disagree: they announced different calls")
     return RuntimeError(comm.out_of_step)
 
 

@@ -396,6 +396,7 @@ class Bucketer:
         every bucket, in order, and (mode "detect") a used map that says "none used".
         Nothing is written to .grad.
         """
+        self.synced_steps += 1  # as the peers' finish() counts it
         self._reset()
         for bucket in self.buckets:
             bucket.buffer.zero_()

@@ -94,7 +94,10 @@ class DistributedDataParallel(nn.Module):
           after AUTO_BUCKET_STEPS synced steps with the defaults, from how long those
           steps' reductions took and when their gradients became ready
           (bucket_sizes.py). Every rank takes rank 0's sizes; `bucket_choice` holds
-          them and this rank's own fit and replay (a, b, exposed_s, buckets).
+          them and this rank's own fit and replay (a, b, exposed_s, buckets). The
+          layout follows timings: two runs (a resumed one too) may cut differently,
+          and with 3 or more ranks a different cut sums in another order (the last
+          bits of the gradients may differ).
       find_unused_parameters: allow parameters without a gradient in a step (and leave
           .grad alone for those that no rank used). static_graph=True implies it, as
           torch's static graph supports unused parameters.
@@ -186,8 +189,15 @@ class DistributedDataParallel(nn.Module):
         first, cap = chosen[0] / 1024, chosen[1] / 1024
         self.bucket_choice = dict(first_bucket_mb=first, bucket_cap_mb=cap, **details)
         if (first, cap) != self.bucket_sizes_mb:
-            self.bucketer.close()
+            old = self.bucketer
+            old.close()
             self._make_bucketer(cap, first)
+            # inside no_sync() or join(): the new buckets carry on as the old ones were
+            self.bucketer.enabled, self.bucketer.grad_scale = old.enabled, old.grad_scale
+            self.bucketer.synced_steps = old.synced_steps
+            used = {id(p) for b in old.buckets for p, u in zip(b.params, b.used) if u}
+            for bucket in self.bucketer.buckets:
+                bucket.used = [id(p) in used for p in bucket.params]
 
     def forward(self, *inputs, **kwargs):
         if (self._auto_buckets and self._join is None and torch.is_grad_enabled()

@@ -134,6 +134,25 @@ def auto_buckets_equal_torch_ddp(comm):
     return digest, sorted(choice.items()), ours.bucket_sizes_mb
 
 
+def auto_buckets_inside_no_sync(comm):
+    """bucket_cap_mb="auto" re-cut in a forward inside no_sync(): that pass's backward
+    still only accumulates. Returns the bytes each no_sync backward sent."""
+    model = collectives.DistributedDataParallel(make_model("mlp"), find_unused_parameters=True,
+                                                bucket_cap_mb="auto")
+    sent = []
+    for step in range(4):
+        for micro, syncing in enumerate((False, True)):
+            x, y = batch("mlp", comm.rank, comm.world_size, 2 * step + micro)
+            with (model.no_sync() if not syncing else _nothing()):
+                loss = F.cross_entropy(model(x), y)  # step 3's first forward re-cuts
+                before = comm.traffic.snapshot().bytes_sent
+                loss.backward()
+                if not syncing:
+                    sent.append(comm.traffic.snapshot().bytes_sent - before)
+    assert model.bucket_choice is not None
+    return sent
+
+
 def train_ours(comm, kind, **options):
     model = collectives.DistributedDataParallel(make_model(kind), find_unused_parameters=True,
                                                 **options)

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from checks_ddp import auto_buckets_equal_torch_ddp, compare_with_torch_ddp, train_ours
+from checks_ddp import (auto_buckets_equal_torch_ddp, auto_buckets_inside_no_sync,
+                        compare_with_torch_ddp, train_ours)
 from collectives.launch.mpirun import find_mpirun
 from distributed import run_world, run_world_collecting_errors
 
@@ -35,6 +36,7 @@ def test_unused_branch_equals_torch_ddp(world_size, branches):
     dict(bucket_cap_mb=0.0005, first_bucket_mb=0.0005),   # a bucket per parameter or so
     dict(bucket_cap_mb=1000),                             # one giant bucket
     dict(gradient_as_bucket_view=True, accumulate=2),
+    dict(bucket_cap_mb="auto", accumulate=2),  # re-cut inside no_sync() after 2 steps
     dict(algorithm="halving-doubling"), dict(algorithm="tree"), dict(algorithm="native"),
 ])
 def test_bucketing_variants_equal_torch_ddp(options):
@@ -52,6 +54,12 @@ def test_buckets_sized_for_the_link_are_chosen_alike_and_train_as_torch_ddp():
         choice = dict(choice)
         assert (choice["first_bucket_mb"], choice["bucket_cap_mb"]) == sizes == results[0][2]
         assert choice["buckets"] >= 1 and choice["exposed_s"] >= 0  # this rank's own replay
+
+
+@pytest.mark.timeout(200)
+def test_buckets_re_cut_inside_no_sync_still_only_accumulate():
+    for sent in run_world(auto_buckets_inside_no_sync, 2, timeout=180):
+        assert sent == [0, 0, 0, 0], sent
 
 
 def _compare_mlp(comm, accumulate, options):

@@ -121,10 +121,16 @@ class Variant:
             self.strategy = torch_peers.create(sync_name)
             self.wrapped = self.strategy.wrap(self.model, bucket_cap_mb=args.bucket_mb,
                                               observed=True)
+            self.buckets = ("1/25" if args.bucket_mb in (None, "auto")
+                            else f"{args.bucket_mb:g}/{args.bucket_mb:g}")
         else:
             self.strategy = sync_registry.create(sync_name, algorithm=args.algorithm)
+            sizes = {} if args.bucket_mb is None else dict(bucket_cap_mb=args.bucket_mb)
+            if isinstance(args.bucket_mb, float):
+                sizes["first_bucket_mb"] = args.bucket_mb
             self.wrapped = collectives.DistributedDataParallel(
-                self.model, sync=self.strategy, bucket_cap_mb=args.bucket_mb, comm=comm)
+                self.model, sync=self.strategy, comm=comm, **sizes)
+            self.buckets = "-"
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.images = torch.randn(args.batch_size, 1, 28, 28)
         self.labels = torch.randint(0, 10, (args.batch_size,))
@@ -212,13 +218,11 @@ class Variant:
         self.samples["compute_cpu"].append(cpu)
 
     def bucket_mb(self, args) -> str:
-        """The buckets in use: "first/cap" in MiB (torch's rows: the cap it was given)."""
+        """The buckets in use: "first/later" in MiB ("-": the strategy has none)."""
         sizes = getattr(self.wrapped, "bucket_sizes_mb", None)
         if sizes is not None and getattr(self.wrapped, "bucketer", None) is not None:
             return f"{sizes[0]:g}/{sizes[1]:g}"
-        if torch_peers.is_peer(self.name):
-            return f"1/{25 if args.bucket_mb == 'auto' else args.bucket_mb:g}"
-        return "-"
+        return self.buckets
 
     def row(self, comm, args):
         steps = len(self.samples["step"])
@@ -242,7 +246,8 @@ class Variant:
                    hidden_share=hidden_sum / comm.world_size if seen else None,
                    mb_per_step=sent / 1e6, steps=steps, events=steps // self.period,
                    cpu_ms=cpu * 1e3, comm_cpu_ms=(cpu - compute_cpu) * 1e3,
-                   bucket_mb=self.bucket_mb(args))
+                   bucket_mb=self.bucket_mb(args),
+                   bucket_choice=getattr(self.wrapped, "bucket_choice", None))
         self.strategy.close()  # background rounds (async-avg, delayed) end together
         return row
 
@@ -305,10 +310,12 @@ def main(argv=None):
                    help="rounds; each times every sync in turn (default 4)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     p.add_argument("--algorithm", default="auto", help="our collective algorithm (default auto)")
-    p.add_argument("--bucket-mb", type=bucket_size, default="auto",
-                   help="our buckets' cap in MiB, or auto (default): sized for the link "
-                        "during the warm-up (collectives/bucket_sizes.py); torch's rows "
-                        "keep torch's default, 25, unless a number is given")
+    p.add_argument("--bucket-mb", type=bucket_size, default=None,
+                   help="buckets of this many MiB for every row, the first one too, as "
+                        "torch's DDP cuts them when given a size (default: each side's "
+                        "own, a 1 MiB first bucket and 25 MiB after); auto: ours sized "
+                        "for the link during the warm-up (collectives/bucket_sizes.py), "
+                        "torch's at its default")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
     p.add_argument("--trace", metavar="DIR", help="trace the first timed steps of every "
                    "sync into DIR/trace.json (python -m collectives.trace DIR draws it)")

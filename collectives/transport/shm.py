@@ -678,7 +678,7 @@ class ShmTransport(Transport):
             return False  # peers on other hosts cannot read our board: the handshake
         self._refuse_if_out_of_step()
         self.announced += 1
-        digest = hash(tuple(row))  # ints hash alike in every process
+        digest = hash((self.announced, *row))  # ints hash alike in every process
         entry = self.boards[self.rank][self.announced % _BOARD_ENTRIES]
         entry[0] = -1  # being written
         entry[1] = digest
@@ -700,19 +700,21 @@ class ShmTransport(Transport):
             return digest, None
         length = entry[2]
         row = entry[3:3 + length] if 0 <= length <= _BOARD_WORDS - 3 else None
-        if row is None or hash(tuple(row)) != digest or entry[0] != number:
+        # the number is in the digest: an older call's entry seen under it cannot pass
+        if row is None or hash((number, *row)) != digest or entry[0] != number:
             return None  # being written: not announced yet
         return digest, row
 
-    def _raise_if_calls_differ(self) -> None:
+    def _raise_if_calls_differ(self, timeout: Optional[float] = None) -> None:
         """Raise CallMismatch if a rank announced another call than ours. Every rank
-        raises the same one: it first waits for every rank's entry (until the timeout,
-        or a missing rank's exit)."""
+        raises the same one: it first waits for every rank's entry (until `timeout`,
+        by default the communicator's, or a missing rank's exit)."""
         number, mine = self.call
         entries = [self._entry(rank, number) for rank in range(self.world_size)]
         if all(entry is None or entry[0] == mine for entry in entries):
             return
-        deadline = time.monotonic() + self.timeout.total_seconds()
+        timeout = self.timeout.total_seconds() if timeout is None else timeout
+        deadline = time.monotonic() + timeout
         while True:
             entries = [self._entry(rank, number, whole=True) for rank in range(self.world_size)]
             missing = [rank for rank, entry in enumerate(entries) if entry is None]
@@ -724,6 +726,8 @@ class ShmTransport(Transport):
         raise CallMismatch([None if entry is None else entry[1] for entry in entries])
 
     def confirm_call(self, timeout: Optional[float] = None) -> None:
+        if self.call is None:
+            return  # already confirmed, or given up on (a PeerError raised below)
         number, mine = self.call
         at = number % _BOARD_ENTRIES
         if not _CHECK_ENTRIES and all(board[at][0] == number and board[at][1] == mine
@@ -736,17 +740,15 @@ class ShmTransport(Transport):
         while True:
             entries = [self._entry(rank, number) for rank in range(self.world_size)]
             if any(entry is not None and entry[0] != mine for entry in entries):
-                self._raise_if_calls_differ()
+                self._raise_if_calls_differ(timeout)
             if None not in entries:
                 self.call = None
                 return
             missing = entries.index(None)
             if time.monotonic() > deadline:
-                self.call = None
                 raise PeerError(f"rank {missing} did not make call #{number} "
                                 f"within {timeout:g} s")
             if self.watch_pids and not _alive(self.pids[missing]):
-                self.call = None
                 raise PeerError(f"rank {missing} (pid {self.pids[missing]}) has exited")
             time.sleep(pause)  # a broadcast's root, waiting for the others to arrive
             pause = min(2 * pause, 0.01)

@@ -160,10 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--shm", default=None, choices=["auto", "on", "off"],
                       help="point-to-point through shared memory between ranks of one host "
                            "(gloo, mpi; default: $COLLECTIVES_SHM, else auto = when possible)")
-    comm.add_argument("--bucket-mb", type=bucket_size, default="auto",
-                      help="gradient bucket size cap in MiB, or auto: sized for the link "
-                           "after two steps with DDP's 25 (collectives/bucket_sizes.py; "
-                           "torch's DDP rows keep torch's default). Default: auto")
+    comm.add_argument("--bucket-mb", type=bucket_size, default=None,
+                      help="gradient bucket size cap in MiB (default: 25, as DDP), or "
+                           "auto: ours sized for the link after two steps "
+                           "(collectives/bucket_sizes.py; torch's DDP keeps its default)")
     comm.add_argument("--timeout", type=positive_float, default=300.0,
                       help="seconds to wait for a silent peer before failing (default: 300)")
     add_local_rank_argument(comm)  # torch.distributed.launch passes --local-rank=N
