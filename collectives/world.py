@@ -26,6 +26,7 @@ from typing import Optional, Union
 
 import torch
 
+from .cluster import link_rate_bytes
 from .launch.environment import LaunchError, LaunchInfo, detect_launch
 from .launch.exit import install_exit_hooks
 from .launch.mpi import mpi_world
@@ -102,7 +103,11 @@ def with_routes(comm: Transport, shm: Union[None, bool, str] = None) -> Transpor
     except ValueError as error:
         raise LaunchError(f"COLLECTIVES_SHM / init(shm=...): {error}") from None
     comm.topology = Topology.exchange(comm)  # which ranks share a host
-    return _with_shared_memory(comm, shm_wanted)
+    comm = _with_shared_memory(comm, shm_wanted)
+    rate = link_rate_bytes()  # the emulated cluster's links, where it shaped them
+    if rate and len(comm.topology.hosts) > 1:
+        comm.segment_bytes = comm.segment_for_link(rate)
+    return comm
 
 
 def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,

@@ -140,3 +140,10 @@ def test_a_send_or_receive_to_a_dead_peer_is_a_peer_error_naming_it():
                        may_die=(1,))[0]
     assert [line.split(":")[0] for line in raised] == ["PeerError"] * 3, raised
     assert ["rank 1" in line for line in raised] == [True] * 3, raised
+
+
+def test_a_slow_link_gets_segments_it_moves_in_about_40_ms():
+    from collectives.transport import Transport
+    assert Transport.segment_for_link(100e6 / 8) == 256 << 10  # 0.5 MB in 40 ms
+    assert Transport.segment_for_link(1e9 / 8) == 4 << 20      # the default, at most
+    assert Transport.segment_for_link(1e6 / 8) == 64 << 10     # at least

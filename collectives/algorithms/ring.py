@@ -27,7 +27,8 @@ per byte and gamma seconds per reduced byte:
     all-reduce:                    2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma
 
 Pipelining: every chunk is cut into segments (the transport's `segment_bytes`, 4 MiB:
-smaller ones lost on both TCP and shared memory, see docs/benchmarks.md). A segment is forwarded to the right as
+smaller ones lost on both TCP and shared memory, see docs/benchmarks.md; on a slow
+link between hosts smaller, Transport.segment_for_link). A segment is forwarded to the right as
 soon as it has been reduced, and the next step's receives are posted before this
 step's are reduced, so reducing one segment overlaps moving the next. Reduce-scatter
 receives with `irecv_reduce(..., forward_to=right)`: receive, add our segment, pass

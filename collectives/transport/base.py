@@ -199,8 +199,20 @@ class Transport:
     # The message size that pipelines best on this transport: algorithms cut big
     # messages into segments of about this size (see ring.py). Below a few MiB each
     # message's fixed cost wins over the pipelining it buys on a 2-core machine, over
-    # TCP and shared memory alike (docs/benchmarks.md).
+    # TCP and shared memory alike (docs/benchmarks.md). A slow link between hosts
+    # wants smaller ones: segment_for_link.
     segment_bytes: int = 4 << 20
+
+    @staticmethod
+    def segment_for_link(rate: float) -> int:
+        """The segment for a network of `rate` bytes/s each way: what it moves in about
+        40 ms (a power of two, from 64 KiB to the 4 MiB default). A segment is forwarded
+        only once all of it has arrived, so on a slow link a big one leaves the next
+        link waiting: on 4 emulated hosts at 100 Mbit/s a 16 MiB ring took 2.59 s in
+        4 MiB segments, 2.12 s in 256 KiB ones (one run each; runs vary by 10 %); at
+        1 Gbit/s 4 MiB was best (docs/benchmarks.md)."""
+        wanted = max(64 << 10, min(Transport.segment_bytes, int(rate * 0.04)))
+        return 1 << (wanted.bit_length() - 1)
     # Whether _isend/_irecv (and the native collectives) take tensors on an accelerator
     # directly. When False, device tensors are staged through host memory (one copy
     # each way).
