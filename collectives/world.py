@@ -107,7 +107,20 @@ def with_routes(comm: Transport, shm: Union[None, bool, str] = None) -> Transpor
     rate = link_rate_bytes()  # the emulated cluster's links, where it shaped them
     if rate and len(comm.topology.hosts) > 1:
         comm.segment_bytes = comm.segment_for_link(rate)
+    comm.segment_bytes = segment_from_env() or comm.segment_bytes
     return comm
+
+
+def segment_from_env() -> Optional[int]:
+    """COLLECTIVES_SEGMENT_KB, the ring's segment in bytes (as NCCL_BUFFSIZE); None if
+    unset. A bad value is a LaunchError."""
+    given = os.environ.get("COLLECTIVES_SEGMENT_KB", "").strip()
+    if not given:
+        return None
+    if not given.isdigit() or int(given) < 1:
+        raise LaunchError(f"COLLECTIVES_SEGMENT_KB={given!r}: use a whole number of KiB "
+                          "above 0")
+    return int(given) << 10
 
 
 def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
@@ -125,6 +138,7 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
     global _default
     timeout = _as_timedelta(timeout)
     backend = resolve_backend(backend)
+    segment_from_env()  # a bad setting fails here, before any rendezvous
     try:
         want_shm(shm)  # a bad setting fails here, before any rendezvous
     except ValueError as error:

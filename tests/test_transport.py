@@ -147,3 +147,13 @@ def test_a_slow_link_gets_segments_it_moves_in_about_40_ms():
     assert Transport.segment_for_link(100e6 / 8) == 256 << 10  # 0.5 MB in 40 ms
     assert Transport.segment_for_link(1e9 / 8) == 4 << 20      # the default, at most
     assert Transport.segment_for_link(1e6 / 8) == 64 << 10     # at least
+
+
+def test_a_segment_given_in_the_environment_is_taken_and_a_bad_one_refused(monkeypatch):
+    from collectives.launch import LaunchError
+    from collectives.world import segment_from_env
+    monkeypatch.setenv("COLLECTIVES_SEGMENT_KB", "256")
+    assert segment_from_env() == 256 << 10
+    monkeypatch.setenv("COLLECTIVES_SEGMENT_KB", "4M")
+    with pytest.raises(LaunchError, match="COLLECTIVES_SEGMENT_KB"):
+        segment_from_env()
