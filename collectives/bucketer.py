@@ -240,7 +240,7 @@ class Bucketer:
         self.synced_steps = 0  # steps whose reduction completed
         self._ready_ns: Dict[int, int] = {}  # id(param) -> when it went in its bucket
         self._reduce_seconds = [0.0] * len(self.buckets)
-        self._profile: Optional[StepProfile] = None
+        self._last_step: Optional[tuple] = None  # (ready times, reduce seconds): profile()
         self._pending: List[threading.Event] = []
         self._next_to_launch = 0
         self._step_started = False
@@ -339,7 +339,8 @@ class Bucketer:
             sparse_reduced, self._sparse_reduced = self._sparse_reduced, {}
             reduced_sparse = _wait_for_every_one(sparse_reduced)
         self.synced_steps += 1
-        self._keep_profile(missing)
+        # kept as they are (a swap, no work on every step); profile() reads them
+        self._last_step, self._ready_ns = (self._ready_ns, list(self._reduce_seconds)), {}
         if missing and self.unused == "error":
             names = ", ".join(self._name(p) for p in missing[:5])
             raise RuntimeError(
@@ -367,27 +368,25 @@ class Bucketer:
                 elif param.grad.data_ptr() != slot.data_ptr():
                     param.grad.copy_(slot)
 
-    def _keep_profile(self, missing) -> None:
-        """Remember this step's profile (a gradient that did not arrive in backward
-        counts as ready when backward ended: finish() filled it in then)."""
+    def profile(self) -> Optional[StepProfile]:
+        """The last synced step (None before there is one): when each gradient became
+        ready and how long each bucket's reduction took. A gradient that did not
+        arrive in backward counts as ready when backward ended (finish() filled it in)."""
+        if self._last_step is None:
+            return None
+        ready_ns, reduce_seconds = self._last_step
         flat = [p for b in self.buckets for p in b.params]
-        arrived = [self._ready_ns.get(id(p)) for p in flat]
-        self._ready_ns = {}
+        arrived = [ready_ns.get(id(p)) for p in flat]
         if all(at is None for at in arrived):
-            return
+            return None
         last = max(at for at in arrived if at is not None)
         ready = [last if at is None else at for at in arrived]
         first = min(ready)
-        self._profile = StepProfile(
+        return StepProfile(
             param_bytes=[p.numel() * p.element_size() for p in flat],
             ready_s=[(at - first) / 1e9 for at in ready],
             buckets=[(b.buffer.numel() * b.buffer.element_size(), seconds)
-                     for b, seconds in zip(self.buckets, self._reduce_seconds)])
-
-    def profile(self) -> Optional[StepProfile]:
-        """The last synced step (None before there is one): when each gradient became
-        ready and how long each bucket's reduction took."""
-        return self._profile
+                     for b, seconds in zip(self.buckets, reduce_seconds)])
 
     def shadow(self) -> None:
         """Take part in one step's reductions with nothing to contribute.
