@@ -5,6 +5,8 @@ torch's must end with the same parameters, and be measured alike (trainer/timing
 trainer/bench.py).
 """
 import argparse
+import importlib.util
+import os
 import threading
 import time
 
@@ -39,12 +41,19 @@ def train_peer(comm, name, steps=5, lr=0.1, fixed_batch=False, batchnorm=False, 
     return {k: v.clone() for k, v in module.state_dict().items()}, losses
 
 
+PERIODIC = {"ddp-localsgd": {"period": 2}, "ddp-hier-localsgd": {"period": 2},
+            "torchft-diloco": {"period": 2}}
+
+
 def every_peer_learns(comm):
     """Each peer, 10 steps on one batch per rank: the loss averaged over the ranks falls.
     Returns {name: (first, last)}."""
+    os.environ["LOCAL_WORLD_SIZE"] = str(comm.world_size)  # one host (ddp-hier-localsgd)
     losses = {}
     for name in torch_peers.NAMES:
-        options = {"period": 2} if name == "ddp-localsgd" else {}
+        if name == "torchft-diloco" and importlib.util.find_spec("torchft") is None:
+            continue  # an optional extra
+        options = PERIODIC.get(name, {})
         _, trace = train_peer(comm, name, steps=10, fixed_batch=True, **options)
         ends = torch.tensor([trace[0], trace[-1]], dtype=torch.float64)
         torch.distributed.all_reduce(ends)
@@ -104,6 +113,70 @@ def ours_equal_torch_where_the_math_is_the_same(comm):
     differences["ddp-localsgd replicas after a period"] = max(
         (g - digest).abs().max().item() for g in gathered)
     return differences
+
+
+def as_two_hosts(comm):
+    """Make 4 ranks of this machine two hosts of two ranks, for our topology (as the
+    hierarchical tests do) and for torch's (LOCAL_WORLD_SIZE)."""
+    from collectives.transport import topology
+    topology.host_fingerprint = lambda: 1000 + comm.rank // 2
+    comm.topology = topology.Topology.exchange(comm)
+    os.environ["LOCAL_WORLD_SIZE"] = "2"
+
+
+def hier_local_sgd_equals_torchs_averager(comm):
+    """hier-local-sgd against ddp-hier-localsgd on 2 hosts x 2 ranks (plain SGD, float64,
+    parameters compared: buffers differ by design as for local-sgd). Returns the largest
+    difference for each setting."""
+    as_two_hosts(comm)
+    parameters = {name for name, _ in mlp(batchnorm=True).named_parameters()}
+    differences = {}
+    for options in ({"period": 4, "local_period": 1}, {"period": 4, "local_period": 2},
+                    {"period": 2, "local_period": 1, "warmup_steps": 2}):
+        ours = train_mlp(comm, "hier-local-sgd", steps=8, batchnorm=True, **options)
+        theirs, _ = train_peer(comm, "ddp-hier-localsgd", steps=8, batchnorm=True, **options)
+        differences[str(options)] = max((ours[k] - theirs[k]).abs().max().item()
+                                        for k in parameters)
+    return differences
+
+
+def diloco_equals_torchft(comm, steps=8):
+    """diloco against torchft's DiLoCo (plain, and streaming with 2 fragments and a
+    delay of 1 step), plain SGD inside, float64: the largest difference in parameters
+    for each setting."""
+    differences = {}
+    for options in ({"period": 4}, {"period": 4, "fragments": 2, "delay": 1},
+                    {"period": 4, "fragments": 2, "delay": 1, "alpha": 0.5}):
+        ours = train_mlp(comm, "diloco", steps=steps, **options)
+        theirs, _ = train_peer(comm, "torchft-diloco", steps=steps, **options)
+        differences[str(options)] = max((ours[k] - theirs[k]).abs().max().item() for k in ours)
+    return differences
+
+
+def streaming_diloco_with_one_fragment_and_no_delay_is_diloco(comm, steps=8):
+    """diloco with fragments=1, delay=0 against DiLoCo written out by hand with torch's
+    own all-reduce: every 4 steps, the outer Nesterov SGD on the averaged pseudo-gradient.
+    Returns the largest difference in parameters."""
+    ours = train_mlp(comm, "diloco", steps=steps, period=4, fragments=1, delay=0)
+    model = mlp()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    synced = [p.detach().clone() for p in model.parameters()]
+    outer = torch.optim.SGD(synced, lr=0.7, momentum=0.9, nesterov=True)
+    for step in range(1, steps + 1):
+        x, y = shard(comm, step)
+        inner.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        inner.step()
+        if step % 4 == 0:
+            with torch.no_grad():
+                for start, p in zip(synced, model.parameters()):
+                    change = start - p
+                    torch.distributed.all_reduce(change)
+                    start.grad = change / comm.world_size
+                outer.step()
+                for start, p in zip(synced, model.parameters()):
+                    p.copy_(start)
+    return max((ours[k] - v).abs().max().item() for k, v in model.state_dict().items())
 
 
 def bytes_sent_per_step(comm, names=("allreduce", "ddp-collectives"), steps=3):

@@ -1,5 +1,6 @@
 """The comparison study's tools: torch's peers, honest periodic timing, the launchers."""
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from checks_peers import (background_when_the_window_closes, bytes_sent_per_step,
+                          diloco_equals_torchft, hier_local_sgd_equals_torchs_averager,
+                          streaming_diloco_with_one_fragment_and_no_delay_is_diloco,
                           every_peer_learns, ours_equal_torch_where_the_math_is_the_same)
 from distributed import run_world
 from trainer import compare
@@ -20,7 +23,8 @@ from trainer.timing import WaitClock
 def test_every_torch_peer_trains():
     losses = run_world(every_peer_learns, 2, timeout=120)[0]
     assert set(losses) == {"ddp", "ddp-collectives", "ddp-fp16", "ddp-bf16", "ddp-powersgd",
-                           "ddp-localsgd"}
+                           "ddp-localsgd", "ddp-hier-localsgd", "torchft-diloco"} - (
+        set() if importlib.util.find_spec("torchft") else {"torchft-diloco"})
     for name, (first, last) in losses.items():
         assert last < 0.95 * first, (name, first, last)
 
@@ -33,6 +37,29 @@ def test_ours_and_torchs_compute_the_same_where_the_math_is_the_same():
             assert difference < 1e-4, (pair, difference)
         else:
             assert difference == 0.0, (pair, difference)
+
+
+@pytest.mark.timeout(150)
+def test_hier_local_sgd_equals_torchs_hierarchical_averager_on_two_hosts():
+    # 4 ranks: the sums of 4 numbers may be taken in other orders by gloo and by our
+    # hierarchical all-reduce, so the last bits may differ (the 2-rank pairs are exact).
+    differences = run_world(hier_local_sgd_equals_torchs_averager, 4, timeout=120)[0]
+    assert len(differences) == 3
+    for setting, difference in differences.items():
+        assert difference < 1e-12, (setting, difference)
+
+
+@pytest.mark.timeout(150)
+def test_diloco_equals_torchft_plain_and_streaming():
+    pytest.importorskip("torchft", reason="torchft is an optional extra: pip install torchft")
+    differences = run_world(diloco_equals_torchft, 2, timeout=120)[0]
+    assert differences and all(d == 0.0 for d in differences.values()), differences
+
+
+@pytest.mark.timeout(120)
+def test_streaming_diloco_with_one_fragment_and_no_delay_is_plain_diloco():
+    assert run_world(streaming_diloco_with_one_fragment_and_no_delay_is_diloco, 2,
+                     timeout=100) == [0.0, 0.0]
 
 
 @pytest.mark.timeout(120)

@@ -18,7 +18,8 @@ from distributed import run_world
 
 def test_unknown_strategy_lists_the_available_ones():
     with pytest.raises(ValueError, match="unknown sync strategy 'sgd2': choose from allreduce, "
-                                         "async-avg, bf16, delayed, fp16, gossip, local-sgd"):
+                                         "async-avg, bf16, delayed, diloco, fp16, gossip, "
+                                         "hier-local-sgd, local-sgd"):
         sync.create("sgd2")
 
 

@@ -14,6 +14,12 @@ torch's code, configured to compute what our strategy of the same idea computes:
                    error feedback)                               ours: powersgd
     ddp-localsgd   + post_localSGD_hook and a
                    PeriodicModelAverager (period 8)              ours: local-sgd
+    ddp-hier-localsgd  + post_localSGD_hook and a
+                   HierarchicalModelAverager (inside each host
+                   every local_period steps, all ranks every
+                   period)                                       ours: hier-local-sgd
+    torchft-diloco torchft's DiLoCo (streaming with fragments
+                   and delay), no DDP (trainer/torchft_peer.py)  ours: diloco
 
 A peer has the same moments as our SyncStrategy (after_backward, after_step, close)
 so the trainer's loop and trainer.bench drive both alike; `wrap(model)` returns
@@ -31,6 +37,10 @@ Where torch's computation differs from ours, by design of each library:
   buffers before each forward; ours averages parameters and buffers together. Both
   average after steps W+H, W+2H, ... (torch's averager is given warmup W+H-1 for
   that: by itself it would average after step W+1 first).
+- hier-local-sgd: as local-sgd. torch's hierarchical averager averages when its own
+  step count is a multiple of a period, counting from 0; it is started at 1 - W so
+  that both average after steps W+h, W+2h, ... . Its host groups are runs of
+  consecutive ranks, LOCAL_WORLD_SIZE long (the launchers place ranks so).
 
 A checkpoint keeps what torch's hooks carry across steps, so that a resumed run goes on
 bit for bit on 2 ranks (to the last bits on more: docs/reliability.md) (state_dict /
@@ -43,21 +53,24 @@ the warm-up, and the averager's, which times the averaging).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
 from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_localSGD_hook
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
-from torch.distributed.algorithms.model_averaging import averagers
+from torch.distributed.algorithms.model_averaging import averagers, hierarchical_model_averager
 
+import collectives
 from collectives import trace
 from collectives.transport.base import Traffic
 from .powersgd_layout import LayoutKeeper
 
 # peer name -> the name of our strategy that computes the same thing
 OURS = {"ddp": "allreduce", "ddp-collectives": "allreduce", "ddp-fp16": "fp16", "ddp-bf16": "bf16",
-        "ddp-powersgd": "powersgd", "ddp-localsgd": "local-sgd"}
+        "ddp-powersgd": "powersgd", "ddp-localsgd": "local-sgd",
+        "ddp-hier-localsgd": "hier-local-sgd", "torchft-diloco": "diloco"}
 NAMES = list(OURS)
 
 
@@ -67,22 +80,26 @@ class TorchPeer:
     uses_buckets = True
 
     def __init__(self, name: str, period: int = 8, warmup_steps: int = 0, rank: int = 2,
-                 seed: int = 0):
+                 seed: int = 0, local_period: int = 1):
         if name not in OURS:
             raise ValueError(f"unknown torch peer {name!r}: choose from {', '.join(NAMES)}")
-        if period < 1 or warmup_steps < 0 or rank < 1:
-            raise ValueError(f"{name}: period and rank must be at least 1, warmup_steps 0 "
-                             f"or more (got {period}, {rank}, {warmup_steps})")
-        self.name, self.seed, self.rank = name, seed, rank
+        if period < 1 or warmup_steps < 0 or rank < 1 or local_period < 1:
+            raise ValueError(f"{name}: period, local_period and rank must be at least 1, "
+                             f"warmup_steps 0 or more (got {period}, {local_period}, {rank}, "
+                             f"{warmup_steps})")
+        if period % local_period:
+            raise ValueError(f"{name}: period ({period}) must be a multiple of local_period "
+                             f"({local_period})")
+        self.name, self.seed, self.rank, self.local_period = name, seed, rank, local_period
         # Steps between two periodic communications, and synchronous steps before the
         # first (as our strategies say them: trainer.bench times whole periods).
-        periodic = name == "ddp-localsgd"
+        periodic = name in ("ddp-localsgd", "ddp-hier-localsgd")
         self.period = period if periodic else 1
         # Post-local SGD's replicas drift apart between averagings (as our strategies say
         # it: the run's model is their average); every other peer averages gradients.
         self.replicas_differ = periodic
         # torch's PowerSGD hook runs plain all-reduce for its first 2 steps.
-        self.warmup_steps = {"ddp-localsgd": warmup_steps, "ddp-powersgd": 2}.get(name, 0)
+        self.warmup_steps = warmup_steps if periodic else {"ddp-powersgd": 2}.get(name, 0)
         self.averager = None
         # Where this peer's collectives run on our backend (ddp-collectives), the counter
         # of its transport: every byte it sends, by shared memory or by network. None
@@ -127,19 +144,35 @@ class TorchPeer:
             # changes after a resumed run's first step (powersgd_layout.py)
             self.layout_keeper = LayoutKeeper(model, state)
             hook = self.layout_keeper.hook
-        elif self.name == "ddp-localsgd":
+        elif self.replicas_differ:  # ddp-localsgd, ddp-hier-localsgd
             state = post_localSGD_hook.PostLocalSGDState(
                 process_group=None, subgroup=None, start_localSGD_iter=self.warmup_steps,
                 post_local_gradient_allreduce=False)  # after warm-up: purely local steps
             hook = post_localSGD_hook.post_localSGD_hook
-            self.averager = averagers.PeriodicModelAverager(
-                period=self.period, warmup_steps=self.warmup_steps + self.period - 1)
-        if self.name in ("ddp-powersgd", "ddp-localsgd"):
+            self.averager = (self._hierarchical_averager() if self.name == "ddp-hier-localsgd"
+                             else averagers.PeriodicModelAverager(
+                                 period=self.period,
+                                 warmup_steps=self.warmup_steps + self.period - 1))
+        if self.name in ("ddp-powersgd", "ddp-localsgd", "ddp-hier-localsgd"):
             self.hook_state = state
         if hook is not None:
             wrapped.register_comm_hook(state, self._observed(hook) if observed else hook)
         self.module = model
         return wrapped
+
+    def _hierarchical_averager(self):
+        """torch's HierarchicalModelAverager: each host's ranks every local_period steps,
+        every rank every period, both counted from the end of the warm-up."""
+        world = dist.get_world_size()
+        per_host = collectives.detect_launch().local_world_size
+        if per_host is None or world % per_host:
+            raise RuntimeError(f"{self.name}: needs LOCAL_WORLD_SIZE, the ranks of each "
+                               f"host, dividing the world ({world}); got {per_host}")
+        periods = {self.local_period: per_host, self.period: world}  # the same period: all
+        averager = hierarchical_model_averager.HierarchicalModelAverager(
+            period_group_size_dict=OrderedDict(sorted(periods.items())), warmup_steps=1)
+        averager.step = 1 - self.warmup_steps  # its step W+h is the trainer's step W+h
+        return averager
 
     def _observed(self, hook):
         """`hook`, timed from its call to the completion of its future."""
@@ -179,7 +212,7 @@ class TorchPeer:
                                  for slot in self.hook_state.__slots__
                                  if slot != "process_group"},
                     "layouts": dict(self.layout_keeper.layouts)}
-        if self.name == "ddp-localsgd":
+        if self.averager is not None:  # ddp-localsgd, ddp-hier-localsgd
             return {"hook_iter": self.hook_state.iter, "averager_step": self.averager.step}
         return {}
 
@@ -192,7 +225,7 @@ class TorchPeer:
                     value = {key: tensor.to(device) for key, tensor in value.items()}
                 setattr(self.hook_state, slot, value)
             self.layout_keeper.layouts = dict(state["layouts"])
-        elif self.name == "ddp-localsgd":
+        elif self.averager is not None:  # ddp-localsgd, ddp-hier-localsgd
             self.hook_state.iter = state["hook_iter"]
             self.averager.step = state["averager_step"]
 
@@ -210,7 +243,11 @@ def is_peer(name: str) -> bool:
 def create(name: str, **options) -> TorchPeer:
     """A peer by name; options as our strategies take them (period, warmup_steps, rank,
     seed). An option the peer does not know raises TypeError."""
+    if name == "torchft-diloco":
+        from .torchft_peer import TorchftDiLoCo  # torchft is an optional extra
+        return TorchftDiLoCo(**options)
     allowed: Dict[str, set] = {"ddp-localsgd": {"period", "warmup_steps"},
+                               "ddp-hier-localsgd": {"period", "local_period", "warmup_steps"},
                                "ddp-powersgd": {"rank", "seed"}}
     unknown = set(options) - allowed.get(name, set())
     if unknown:

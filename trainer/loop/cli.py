@@ -84,10 +84,12 @@ def step_range(text: str):
 
 
 def sync_option(text: str):
-    """'period=8' -> ('period', 8); numbers become int or float."""
+    """'period=8' -> ('period', 8); numbers become int or float, true and false bool."""
     key, sep, value = text.partition("=")
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
     for convert in (int, float):
         try:
             return key, convert(value)
@@ -151,7 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     comm.add_argument("--sync-option", action="append", default=[], metavar="KEY=VALUE",
                       type=sync_option,
                       help="an option for the sync strategy, repeatable: e.g. period=8 "
-                           "warmup_steps=20 (local-sgd), ratio=0.01 (topk), rank=2 (powersgd)")
+                           "warmup_steps=20 (local-sgd), ratio=0.01 (topk), rank=2 (powersgd), "
+                           "nesterov=false (diloco)")
     comm.add_argument("--algorithm", default="ring", choices=algorithms.names("all_reduce"),
                       help="collective algorithm for each gradient bucket (default: ring, "
                            "built from send/recv here; native is the backend's own)")

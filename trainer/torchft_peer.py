@@ -1,0 +1,131 @@
+"""`torchft-diloco`: torchft's DiLoCo, the peer of our `diloco`, driven like our strategies.
+
+torchft (pip install torchft, or this project's `torchft` extra) runs DiLoCo for
+fault-tolerant training: every rank here is a replica group of its own, a Manager per
+rank joins a quorum at a lighthouse, and DiLoCo (torchft/local_sgd.py) averages the
+pseudo-gradients through the Manager's process group (gloo), fragment by fragment. The
+pieces it needs, and where they come from here:
+
+    lighthouse     a LighthouseServer inside rank 0 (torchft runs it as a process of its
+                   own on real clusters), waiting for all world_size replicas: its
+                   address goes to every rank over torch.distributed
+    store          one TCPStore per rank: its replica group's store (a group of one)
+    Manager        synchronous quorum (DiLoCo requires it), no healing at step 0: every
+                   rank starts from rank 0's broadcast weights (init_sync=False)
+    fragments      the same contiguous runs of parameters as ours
+                   (collectives/sync/diloco.py: split_into_fragments), one outer SGD
+                   with Nesterov momentum per fragment
+    inner steps    DiLoCo acts from hooks on the inner optimizer's step. The trainer
+                   makes its optimizer after wrapping the model, so DiLoCo is given a
+                   stand-in optimizer that after_step steps (it changes nothing: no
+                   parameters of the model, learning rate 0).
+
+Where torchft's computation differs from ours: nowhere in the math (sum by gloo, then
+divide by the replicas, as ours averages; the tests check bitwise equality in float64
+on 2 ranks). It adds a quorum round at every fragment synchronization, and its
+should_commit() check, which ours has no need of (a failure is a PeerError here).
+"""
+from __future__ import annotations
+
+import os
+import socket
+from datetime import timedelta
+from typing import Any, Dict
+
+import torch
+import torch.distributed as dist
+
+from collectives.sync.diloco import split_into_fragments
+from .torch_peers import TorchPeer
+
+
+class TorchftDiLoCo(TorchPeer):
+    """torchft's DiLoCo on this process group, with our diloco's options."""
+
+    uses_buckets = False
+    replicas_differ = True
+
+    def __init__(self, period: int = 8, outer_lr: float = 0.7, outer_momentum: float = 0.9,
+                 nesterov: bool = True, fragments: int = 1, delay: int = 0,
+                 alpha: float = 0.0, timeout: float = 60.0):
+        # torchft's Rust side logs every quorum at INFO: keep to warnings unless asked
+        os.environ.setdefault("RUST_LOG", "warn")
+        try:
+            import torchft  # noqa: F401
+        except ImportError as error:
+            raise RuntimeError("torchft-diloco needs torchft: pip install torchft "
+                               f"(or this project's [torchft] extra): {error}") from None
+        if period < 1 or fragments < 1 or period % fragments or not 0 <= delay < period // fragments:
+            raise ValueError(f"torchft-diloco: period ({period}) must be a positive multiple "
+                             f"of fragments ({fragments}), delay ({delay}) below their ratio")
+        self.name, self.period, self.warmup_steps = "torchft-diloco", period, 0
+        self.options = dict(period=period, fragments=fragments, delay=delay, alpha=alpha)
+        self.outer_options = dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
+        self.timeout = timedelta(seconds=timeout)
+        self.traffic, self.hook_state, self.averager = None, None, None
+        self.bucket_intervals = []
+        self.diloco = None
+
+    def wrap(self, model: torch.nn.Module, bucket_cap_mb=None,
+             observed: bool = False) -> torch.nn.Module:
+        """The model itself (no DDP: DiLoCo sends nothing during backward), with torchft's
+        Manager and DiLoCo set up around it. Collective over the default group."""
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.coordination import LighthouseServer
+        from torchft.local_sgd import DiLoCo
+        if not dist.is_initialized():
+            raise RuntimeError("torchft-diloco needs torch.distributed (backend gloo), "
+                               "not the mpi backend")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        self.lighthouse = (LighthouseServer(bind="[::]:0", min_replicas=world)
+                           if rank == 0 else None)
+        address = [self.lighthouse.address() if rank == 0 else None]
+        dist.broadcast_object_list(address, src=0)
+        self.store = dist.TCPStore(socket.gethostname(), 0, is_master=True,
+                                   wait_for_workers=False)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=self.timeout), min_replica_size=world,
+            use_async_quorum=False, init_sync=False, load_state_dict=None, state_dict=None,
+            replica_id=f"rank{rank}", store_addr=socket.gethostname(),
+            store_port=self.store.port, rank=0, world_size=1,
+            lighthouse_addr=address[0], timeout=self.timeout,
+            quorum_timeout=self.timeout, connect_timeout=self.timeout)
+        fragments = [torch.nn.ParameterList(run) for run in split_into_fragments(
+            list(model.parameters()), self.options["fragments"])]
+        outer = [torch.optim.SGD(fragment.parameters(), **self.outer_options)
+                 for fragment in fragments]
+        # DiLoCo runs from the step hooks of this stand-in for the inner optimizer.
+        self.stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+        self.diloco = DiLoCo(self.manager, fragments, self.stand_in, outer,
+                             sync_every=self.options["period"],
+                             backup_device=next(model.parameters()).device, pin_memory=False,
+                             fragment_sync_delay=self.options["delay"],
+                             fragment_update_alpha=self.options["alpha"]).__enter__()
+        self.module = model
+        return model
+
+    def after_step(self, model: torch.nn.Module, step: int) -> None:
+        self.stand_in.step()  # DiLoCo's post-step hook: prepare or merge a fragment
+
+    def close(self) -> None:
+        if self.diloco is not None:
+            self.diloco.__exit__(None, None, None)
+            self.manager.shutdown(wait=False)
+            if self.lighthouse is not None:
+                self.lighthouse.shutdown()
+            self.diloco = None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What torchft itself checkpoints: the Manager's step (which picks the next
+        fragment), each fragment's synced weights and outer optimizer (through the
+        functions DiLoCo registered with the Manager), and the inner steps since the
+        last synchronization."""
+        fragments = {key: save() for key, save in self.manager._user_state_dicts.items()}
+        return {"manager": self.manager.state_dict(), "fragments": fragments,
+                "local_step": self.diloco._local_step}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        self.manager.load_state_dict(state["manager"])
+        for key, value in state["fragments"].items():
+            self.manager._load_state_dict_fns[key](value)
+        self.diloco._local_step = state["local_step"]
