@@ -1,6 +1,7 @@
 """Draw every figure of docs/ again from the measurements saved in docs/data/.
 
     python docs/make_figures.py
+    python docs/make_figures.py compare.png compare_1gbit.png   (only these)
 
 Each figure is drawn by the tool that made it in the first place, from the rows that
 tool saved: `collectives.bench --json` rows through `collectives.bench.plot`, and
@@ -96,10 +97,19 @@ FIGURES_OF_THE_DOCS = [
 ]
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    """Draw the figures named in ARGV (files in docs/figures/), or all of them."""
+    names = sys.argv[1:] if argv is None else argv
+    known = [figure.picture for figure in FIGURES_OF_THE_DOCS]
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        print(f"no figure {', '.join(unknown)}: choose from {', '.join(known)}", file=sys.stderr)
+        return 2
     os.makedirs(FIGURES, exist_ok=True)
     to_measure = []
     for figure in FIGURES_OF_THE_DOCS:
+        if names and figure.picture not in names:
+            continue
         data = os.path.join(DATA, figure.data)
         if not os.path.exists(data):
             why = f"no saved measurements (docs/data/{figure.data})"

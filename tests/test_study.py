@@ -188,3 +188,35 @@ def test_compare_writes_table_plot_and_every_jobs_epochs(tmp_path, monkeypatch):
     assert [job["sync"] for job in jobs] == ["ddp", "bf16"]
     assert [e["test_acc"] for e in jobs[1]["epochs"]] == [0.95, 0.97]
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
+def test_compare_plot_pairs_each_torch_peer_with_our_strategy():
+    """Drawn from rows built by hand: a pair shares a colour, ours solid and torch's
+    dashed; families differ in colour; the bytes axis is logarithmic and positive."""
+    from trainer import torch_peers
+    syncs = ["ddp", "allreduce", "ddp-collectives", "bf16", "ddp-bf16",
+             "ddp-localsgd:period=8", "local-sgd:period=8", "topk", "async-avg", "gossip"]
+    rows = [{"sync": sync, "curve": [(10.0 * (i + 1), 0.0, 0.5), (20.0 * (i + 1), 2.0**i, 0.9)]}
+            for i, sync in enumerate(syncs)]
+    figure = compare.draw(rows, 0.95)
+    by_time, by_bytes = figure.axes
+    lines = {line.get_label(): line for line in by_time.get_lines() if line.get_label() in syncs}
+    peers = [sync for sync in syncs if sync.split(":")[0] in torch_peers.OURS]
+    for peer in peers:
+        ours = [sync for sync in syncs
+                if sync.split(":")[0] == torch_peers.OURS[peer.split(":")[0]]]
+        assert ours, peer
+        for mine in ours:
+            assert lines[mine].get_color() == lines[peer].get_color(), (mine, peer)
+            assert lines[mine].get_linestyle() == "-"
+        assert lines[peer].get_linestyle() in ("--", ":")
+    assert lines["ddp"].get_linestyle() == "--"
+    # two peers of allreduce still tell apart, by line style and marker
+    assert ((lines["ddp"].get_linestyle(), lines["ddp"].get_marker())
+            != (lines["ddp-collectives"].get_linestyle(), lines["ddp-collectives"].get_marker()))
+    families = {compare.family(sync): lines[sync].get_color() for sync in syncs}
+    assert len(set(families.values())) == len(families) == 6
+    assert by_bytes.get_xscale() == "log" and by_bytes.get_xlim()[0] > 0
+    sent = [line for line in by_bytes.get_lines() if line.get_label() in syncs]
+    assert len(sent) == len(syncs)  # each from its first epoch that sent anything
+    assert all(list(line.get_xdata()) == [2.0**syncs.index(line.get_label())] for line in sent)

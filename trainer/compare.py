@@ -19,8 +19,9 @@ ends each job at the first epoch that reaches ACC).
 Time is training time: the sum of the epochs' training loops, without evaluation and
 start-up. Bytes are what each rank sent (on the emulated cluster: its host's NIC).
 Writes OUT.md (the table), OUT.png (test accuracy against training time and against
-MiB sent per rank) and OUT.jsonl (each job's epochs as the trainer's --metrics wrote
-them, one line per job), and prints the table:
+MiB sent per rank, log; a torch peer dashed in the colour of our strategy with the same
+math, as trainer/torch_peers.py OURS pairs them) and OUT.jsonl (each job's epochs as the
+trainer's --metrics wrote them, one line per job), and prints the table:
 
     sync | final test acc | time to target (s) | training time (s) | epochs | images/s |
     MiB sent per rank per step | wall time (s)
@@ -111,25 +112,86 @@ def table(rows: List[Dict], target: float) -> str:
     return "\n".join(lines)
 
 
-def plot(rows: List[Dict], path: str, target: float) -> None:
+# Twenty colours that tell apart at a glance: tab10's, then tab20's lighter shades.
+# A family (our strategy and torch's peers with the same math) takes the next one in
+# the order its first row appears; past twenty they repeat.
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2",
+           "#7f7f7f", "#bcbd22", "#17becf", "#aec7e8", "#ffbb78", "#98df8a", "#ff9896",
+           "#c5b0d5", "#c49c94", "#f7b6d2", "#c7c7c7", "#dbdb8d", "#9edae5")
+# (linestyle, marker): ours solid with circles, torch's dashed with squares; a second row
+# of the same side in one family (ddp and ddp-collectives both pair with allreduce)
+# takes the next, and so on, round again past the last.
+OUR_STYLES = (("-", "o"), ("-.", "D"), ("-", "v"))
+PEER_STYLES = (("--", "s"), (":", "^"), ("--", "P"))
+
+
+def family(sync: str) -> str:
+    """The strategy a row is measured against: 'ddp-localsgd:period=8' -> 'local-sgd'
+    (torch's peer -> ours, as trainer/torch_peers.py OURS pairs them); ours -> itself."""
+    name = sync.split(":")[0]
+    return torch_peers.OURS.get(name, name)
+
+
+def line_styles(syncs: List[str]) -> List[Dict]:
+    """matplotlib's color, linestyle and marker for each row, in the rows' order: a
+    family shares one colour, ours and torch's rows in it take OUR_STYLES and
+    PEER_STYLES in turn."""
+    colours: Dict[str, str] = {}
+    drawn: Dict[tuple, int] = {}  # (family, is torch's) -> its rows so far
+    styles = []
+    for sync in syncs:
+        name = family(sync)
+        colour = colours.setdefault(name, PALETTE[len(colours) % len(PALETTE)])
+        peer = sync.split(":")[0] in torch_peers.OURS
+        turn = drawn.get((name, peer), 0)
+        drawn[(name, peer)] = turn + 1
+        choices = PEER_STYLES if peer else OUR_STYLES
+        linestyle, marker = choices[turn % len(choices)]
+        styles.append({"color": colour, "linestyle": linestyle, "marker": marker})
+    return styles
+
+
+def draw(rows: List[Dict], target: float):
+    """The comparison's figure: test accuracy against training time (left) and against
+    MiB sent per rank on a log axis (right), the legend to the right, grouped by family."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    figure, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for row in rows:
+    figure, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(13, 4.8))
+    lines = []
+    for row, style in zip(rows, line_styles([row["sync"] for row in rows])):
         seconds, mib, accuracy = zip(*row["curve"])
-        by_time.plot(seconds, [100 * a for a in accuracy], marker="o", label=row["sync"])
-        by_bytes.plot(mib, [100 * a for a in accuracy], marker="o", label=row["sync"])
+        percent = [100 * a for a in accuracy]
+        lines.append(by_time.plot(seconds, percent, label=row["sync"], **style)[0])
+        # A log axis has no zero: a line starts at its first epoch that sent anything.
+        sent = [(m, p) for m, p in zip(mib, percent) if m > 0]
+        if sent:
+            by_bytes.plot(*zip(*sent), label=row["sync"], **style)
     for axis, label in ((by_time, "training time (s)"), (by_bytes, "MiB sent per rank")):
         axis.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
         axis.set_xlabel(label)
         axis.set_ylabel("test accuracy (%)")
         axis.grid(True, alpha=0.3)
-    by_bytes.set_xscale("symlog")  # logarithmic, but a run that sent nothing still shows
-    by_bytes.set_xlim(left=0)       # (no negative ticks: bytes are never below zero)
-    by_time.legend(fontsize=8)
+    positive = [m for row in rows for _, m, _ in row["curve"] if m > 0]
+    if positive:
+        by_bytes.set_xscale("log")
+        by_bytes.set_xlim(left=min(positive) / 1.5, right=max(positive) * 1.5)
+    families = [family(row["sync"]) for row in rows]
+    grouped = sorted(range(len(rows)), key=lambda i: families.index(families[i]))
+    by_bytes.legend([lines[i] for i in grouped], [rows[i]["sync"] for i in grouped],
+                    title="solid: ours\ndashed: torch's peer", fontsize=8, title_fontsize=8,
+                    loc="center left", bbox_to_anchor=(1.02, 0.5),
+                    ncol=1 if len(rows) <= 18 else 2)
     figure.tight_layout()
-    figure.savefig(path, dpi=110)
+    return figure
+
+
+def plot(rows: List[Dict], path: str, target: float) -> None:
+    """Draw the comparison (see draw) into PATH."""
+    import matplotlib.pyplot as plt
+    figure = draw(rows, target)
+    figure.savefig(path, dpi=110, bbox_inches="tight")  # "tight" takes the legend in
+    plt.close(figure)
 
 
 def main(argv=None) -> int:
