@@ -99,11 +99,19 @@ def test_resume_equals_uninterrupted_run_bitwise(tmp_path):
 # boundary. 2 ranks x 24 images / 4 per batch: 6 steps per epoch. Local SGD averages after
 # steps 5, 9 (warm-up 1, period 4): at the save after step 6 the replicas differ, and the
 # warm-up is long over (a resumed run that forgot its steps would average gradients).
+# Hierarchical local SGD: inside the host after step 3, everywhere after step 5, ...
+# Streaming DiLoCo, 2 fragments of period 8 with a delay of 2: fragment 0 is sent after
+# step 2 and merged after step 4, fragment 1 sent after step 6 (in flight at the save)
+# and merged after step 8.
 LOCAL_SGD = ["--sync-option", "period=4", "--sync-option", "warmup_steps=1"]
+HIER = [*LOCAL_SGD, "--sync-option", "local_period=2"]
+STREAMING = ["--sync-option", "period=8", "--sync-option", "fragments=2",
+             "--sync-option", "delay=2"]
 RESUMABLE = {"allreduce": [], "fp16": [], "bf16": [], "topk": [], "powersgd": [],
              "delayed": [], "local-sgd": LOCAL_SGD, "gossip": [], "ddp": [],
              "ddp-collectives": [], "ddp-fp16": [], "ddp-bf16": [], "ddp-powersgd": [],
-             "ddp-localsgd": LOCAL_SGD,
+             "ddp-localsgd": LOCAL_SGD, "hier-local-sgd": HIER, "ddp-hier-localsgd": HIER,
+             "diloco": STREAMING, "torchft-diloco": STREAMING,
              "topk --amp fp16": ["--amp", "fp16"]}  # residuals and a changing loss scale
 
 
@@ -146,9 +154,9 @@ def test_resume_continues_every_rank_bit_for_bit(case, tmp_path):
         assert_same(straight[key], resumed[key], key)
     for rank, (expected, actual) in enumerate(zip(straight["ranks"], resumed["ranks"])):
         assert_same(expected, actual, f"rank {rank}")
-    if sync in ("local-sgd", "ddp-localsgd"):  # the replicas did differ at the end
-        assert not torch.equal(straight["ranks"][0]["model"]["0.weight"],
-                               straight["ranks"][1]["model"]["0.weight"])
+    if sync in ("local-sgd", "ddp-localsgd", "diloco"):  # the replicas did differ at the end
+        models = [rank["model"] for rank in straight["ranks"]]
+        assert any(not torch.equal(models[0][name], models[1][name]) for name in models[0])
 
 
 @pytest.mark.timeout(120)

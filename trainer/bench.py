@@ -68,7 +68,7 @@ from collectives import sync as sync_registry
 from collectives import trace
 from collectives.launch import add_local_rank_argument
 from . import torch_peers
-from .loop.cli import bucket_size
+from .loop.cli import bucket_size, sync_option
 from .loop.models import ARCHITECTURES, build_model
 from .timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 
@@ -112,19 +112,20 @@ def aligned_warmup(wanted: int, period: int, warmup_steps: int) -> int:
 class Variant:
     """One sync's model, optimizer, and what is timed for it."""
 
-    def __init__(self, comm, sync_name, args):
-        self.name = sync_name
+    def __init__(self, comm, entry, args):
+        self.name = entry  # the row's name: the sync and its options, as given
+        sync_name, options = split_entry(entry)
         self.trace_left = args.trace_steps if args.trace else 0  # steps still to trace
         torch.manual_seed(0)
         self.model = build_model(args.model, 1, 10, 28)
         if torch_peers.is_peer(sync_name):
-            self.strategy = torch_peers.create(sync_name)
+            self.strategy = torch_peers.create(sync_name, **options)
             self.wrapped = self.strategy.wrap(self.model, bucket_cap_mb=args.bucket_mb,
                                               observed=True)
             self.buckets = ("1/25" if args.bucket_mb in (None, "auto")
                             else f"{args.bucket_mb:g}/{args.bucket_mb:g}")
         else:
-            self.strategy = sync_registry.create(sync_name, algorithm=args.algorithm)
+            self.strategy = sync_registry.create(sync_name, algorithm=args.algorithm, **options)
             sizes = {} if args.bucket_mb is None else dict(bucket_cap_mb=args.bucket_mb)
             if isinstance(args.bucket_mb, float):
                 sizes["first_bucket_mb"] = args.bucket_mb
@@ -195,7 +196,7 @@ class Variant:
         """How long communication has run so far, where it runs off the training thread:
         our communication threads' busy time, or the span of torch's observed buckets
         (which may overlap one another: their union)."""
-        if torch_peers.is_peer(self.name):
+        if torch_peers.is_peer(split_entry(self.name)[0]):
             return union_seconds(self.strategy.bucket_intervals)
         return background_comm_seconds(self.wrapped, self.strategy)
 
@@ -293,6 +294,13 @@ def rank_main(args):
     collectives.destroy()
 
 
+def split_entry(entry: str):
+    """'local-sgd:period=4' -> ('local-sgd', {'period': 4}): a sync and its options, as
+    the trainer's --sync-option takes them."""
+    name, *options = entry.split(":")
+    return name, dict(sync_option(option) for option in options)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
@@ -301,7 +309,8 @@ def main(argv=None):
                    help="ranks to spawn (default 2; ignored under a launcher)")
     p.add_argument("--sync", type=lambda s: s.split(","), default=["allreduce", "ddp"],
                    help="comma list of our strategies and torch's peers "
-                        f"({', '.join(torch_peers.NAMES)}); default allreduce,ddp")
+                        f"({', '.join(torch_peers.NAMES)}), each with its options after "
+                        "colons (local-sgd:period=4); default allreduce,ddp")
     p.add_argument("--model", default="resnet18", choices=ARCHITECTURES)
     p.add_argument("--batch-size", type=int, default=32, help="images per rank (default 32)")
     p.add_argument("--steps", type=int, default=3,
@@ -326,9 +335,18 @@ def main(argv=None):
     add_local_rank_argument(p)  # torch.distributed.launch passes --local-rank=N
     args = p.parse_args(argv)
     known = sync_registry.available() + torch_peers.NAMES
-    for name in args.sync:
+    for entry in args.sync:
+        try:
+            name, options = split_entry(entry)
+        except argparse.ArgumentTypeError as error:
+            p.error(f"--sync {entry}: {error}")
         if name not in known:
             p.error(f"unknown sync {name!r}: choose from {', '.join(known)}")
+        try:  # bad options fail here, before any rank starts
+            (torch_peers.create if torch_peers.is_peer(name) else sync_registry.create)(
+                name, **options)
+        except (TypeError, ValueError, RuntimeError) as error:
+            p.error(f"--sync {entry}: {error}")
     if args.nproc < 2 or min(args.steps, args.rounds, args.batch_size) < 1:
         p.error("--nproc must be at least 2; --steps, --rounds and --batch-size at least 1")
     try:

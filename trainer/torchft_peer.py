@@ -125,7 +125,15 @@ class TorchftDiLoCo(TorchPeer):
                 "local_step": self.diloco._local_step}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
+        """Continue from state_dict(). A checkpoint taken while a fragment was in flight
+        (between its send, `delay` steps before its merge, and the merge) holds the
+        weights it was sent from: its exchange is started again from them, as DiLoCo's
+        own hook started it (a new quorum, then prepare_sync)."""
         self.manager.load_state_dict(state["manager"])
         for key, value in state["fragments"].items():
             self.manager._load_state_dict_fns[key](value)
-        self.diloco._local_step = state["local_step"]
+        self.diloco._local_step = local_step = state["local_step"]
+        every = self.options["period"] // self.options["fragments"]
+        if every - self.options["delay"] <= local_step < every:
+            self.manager.start_quorum()
+            self.diloco._fragments[self.diloco._current_fragment()].prepare_sync()

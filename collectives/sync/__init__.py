@@ -2,6 +2,9 @@
 
     allreduce    average every gradient bucket during backward (what DDP does)
     local-sgd    train alone, average the models every H steps (post-local SGD)
+    hier-local-sgd  average inside each host often, across hosts every H steps
+    diloco       train alone H steps, then an outer Nesterov step on the averaged change
+                 (streaming: one fragment of the model at a time, overlapped)
     async-avg    average the models on a background thread, no per-step barrier
     delayed      all-reduce step t's gradients during step t+1, apply them late
     gossip       average with ring neighbours only, no global collective
