@@ -116,12 +116,13 @@ def ours_equal_torch_where_the_math_is_the_same(comm):
 
 
 def as_two_hosts(comm):
-    """Make 4 ranks of this machine two hosts of two ranks, for our topology (as the
-    hierarchical tests do) and for torch's (LOCAL_WORLD_SIZE)."""
+    """Make 4 ranks of this machine two hosts of two ranks, by the name each rank's host
+    gives (which our topology and torch's peer both go by)."""
+    import socket
     from collectives.transport import topology
-    topology.host_fingerprint = lambda: 1000 + comm.rank // 2
+    socket.gethostname = lambda: f"host{comm.rank // 2}"
     comm.topology = topology.Topology.exchange(comm)
-    os.environ["LOCAL_WORLD_SIZE"] = "2"
+    assert comm.topology.hosts == [[0, 1], [2, 3]], comm.topology.hosts
 
 
 def hier_local_sgd_equals_torchs_averager(comm):
@@ -138,6 +139,29 @@ def hier_local_sgd_equals_torchs_averager(comm):
         differences[str(options)] = max((ours[k] - theirs[k]).abs().max().item()
                                         for k in parameters)
     return differences
+
+
+def hier_peer_refuses_ranks_dealt_round_robin(comm):
+    """4 ranks whose hosts alternate (host0, host1, host0, host1): torch's averager cannot
+    group them, and says so on every rank; ours averages each host's ranks (0 and 2,
+    1 and 3). Returns (the peer's error, whether our host partners agree after a host
+    averaging step)."""
+    import socket
+    from collectives.transport import topology
+    socket.gethostname = lambda: f"host{comm.rank % 2}"
+    comm.topology = topology.Topology.exchange(comm)
+    try:
+        train_peer(comm, "ddp-hier-localsgd", steps=1, period=4)
+        error = None
+    except RuntimeError as raised:
+        error = str(raised)
+    ours = train_mlp(comm, "hier-local-sgd", steps=3, period=4, local_period=1)
+    digest = torch.cat([ours[name].flatten() for name in sorted(ours)])
+    gathered = [torch.empty_like(digest) for _ in range(comm.world_size)]
+    torch.distributed.all_gather(gathered, digest)
+    partner = (comm.rank + 2) % 4
+    return error, torch.equal(gathered[partner], digest), torch.equal(gathered[comm.rank ^ 1],
+                                                                      digest)
 
 
 def diloco_equals_torchft(comm, steps=8):

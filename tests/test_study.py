@@ -11,6 +11,7 @@ import torch
 
 from checks_peers import (background_when_the_window_closes, bytes_sent_per_step,
                           diloco_equals_torchft, hier_local_sgd_equals_torchs_averager,
+                          hier_peer_refuses_ranks_dealt_round_robin,
                           streaming_diloco_with_one_fragment_and_no_delay_is_diloco,
                           every_peer_learns, ours_equal_torch_where_the_math_is_the_same)
 from distributed import run_world
@@ -47,6 +48,14 @@ def test_hier_local_sgd_equals_torchs_hierarchical_averager_on_two_hosts():
     assert len(differences) == 3
     for setting, difference in differences.items():
         assert difference < 1e-12, (setting, difference)
+
+
+@pytest.mark.timeout(150)
+def test_torchs_hierarchical_averager_refuses_ranks_dealt_round_robin_and_ours_does_not():
+    for error, with_host_partner, with_other_host in run_world(
+            hier_peer_refuses_ranks_dealt_round_robin, 4, timeout=120):
+        assert error is not None and "consecutive" in error, error
+        assert with_host_partner and not with_other_host
 
 
 @pytest.mark.timeout(150)

@@ -125,7 +125,8 @@ class Variant:
             self.buckets = ("1/25" if args.bucket_mb in (None, "auto")
                             else f"{args.bucket_mb:g}/{args.bucket_mb:g}")
         else:
-            self.strategy = sync_registry.create(sync_name, algorithm=args.algorithm, **options)
+            self.strategy = sync_registry.create(
+                sync_name, **{"algorithm": args.algorithm, **options})
             sizes = {} if args.bucket_mb is None else dict(bucket_cap_mb=args.bucket_mb)
             if isinstance(args.bucket_mb, float):
                 sizes["first_bucket_mb"] = args.bucket_mb

@@ -52,6 +52,7 @@ the warm-up, and the averager's, which times the averaging).
 """
 from __future__ import annotations
 
+import socket
 import time
 from collections import OrderedDict
 from typing import Any, Dict, Optional
@@ -62,7 +63,6 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, post_loca
 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 from torch.distributed.algorithms.model_averaging import averagers, hierarchical_model_averager
 
-import collectives
 from collectives import trace
 from collectives.transport.base import Traffic
 from .powersgd_layout import LayoutKeeper
@@ -163,12 +163,8 @@ class TorchPeer:
     def _hierarchical_averager(self):
         """torch's HierarchicalModelAverager: each host's ranks every local_period steps,
         every rank every period, both counted from the end of the warm-up."""
-        world = dist.get_world_size()
-        per_host = collectives.detect_launch().local_world_size
-        if per_host is None or world % per_host:
-            raise RuntimeError(f"{self.name}: needs LOCAL_WORLD_SIZE, the ranks of each "
-                               f"host, dividing the world ({world}); got {per_host}")
-        periods = {self.local_period: per_host, self.period: world}  # the same period: all
+        per_host = _host_size()
+        periods = {self.local_period: per_host, self.period: dist.get_world_size()}
         averager = hierarchical_model_averager.HierarchicalModelAverager(
             period_group_size_dict=OrderedDict(sorted(periods.items())), warmup_steps=1)
         averager.step = 1 - self.warmup_steps  # its step W+h is the trainer's step W+h
@@ -228,6 +224,24 @@ class TorchPeer:
         elif self.averager is not None:  # ddp-localsgd, ddp-hier-localsgd
             self.hook_state.iter = state["hook_iter"]
             self.averager.step = state["averager_step"]
+
+
+def _host_size() -> int:
+    """The ranks of each host, as torch's subgroups need them: hosts of one size, each
+    a run of consecutive ranks. Collective; raises the same error on every rank when the
+    placement is otherwise (uneven hosts, ranks dealt round robin)."""
+    placement = [None] * dist.get_world_size()
+    dist.all_gather_object(placement, socket.gethostname())
+    runs = [placement[0]]
+    for host in placement[1:]:
+        if host != runs[-1]:
+            runs.append(host)
+    sizes = {placement.count(host) for host in runs}
+    if len(runs) != len(set(runs)) or len(sizes) != 1:
+        raise RuntimeError("ddp-hier-localsgd: torch's hierarchical averager groups runs of "
+                           "consecutive ranks of one size; here the ranks sit on hosts "
+                           f"{placement} (ours, hier-local-sgd, takes any placement)")
+    return sizes.pop()
 
 
 def _transport_traffic(group: dist.ProcessGroup) -> Traffic:

@@ -27,6 +27,7 @@ should_commit() check, which ours has no need of (a failure is a PeerError here)
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from datetime import timedelta
@@ -35,7 +36,7 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
-from collectives.sync.diloco import split_into_fragments
+from collectives.sync.diloco import check_outer, check_schedule, split_into_fragments
 from .torch_peers import TorchPeer
 
 
@@ -55,9 +56,8 @@ class TorchftDiLoCo(TorchPeer):
         except ImportError as error:
             raise RuntimeError("torchft-diloco needs torchft: pip install torchft "
                                f"(or this project's [torchft] extra): {error}") from None
-        if period < 1 or fragments < 1 or period % fragments or not 0 <= delay < period // fragments:
-            raise ValueError(f"torchft-diloco: period ({period}) must be a positive multiple "
-                             f"of fragments ({fragments}), delay ({delay}) below their ratio")
+        check_schedule("torchft-diloco", period, fragments, delay)
+        check_outer("torchft-diloco", outer_lr, outer_momentum, nesterov, alpha)
         self.name, self.period, self.warmup_steps = "torchft-diloco", period, 0
         self.options = dict(period=period, fragments=fragments, delay=delay, alpha=alpha)
         self.outer_options = dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
@@ -68,8 +68,9 @@ class TorchftDiLoCo(TorchPeer):
 
     def wrap(self, model: torch.nn.Module, bucket_cap_mb=None,
              observed: bool = False) -> torch.nn.Module:
-        """The model itself (no DDP: DiLoCo sends nothing during backward), with torchft's
-        Manager and DiLoCo set up around it. Collective over the default group."""
+        """The model with nothing around it (DiLoCo sends nothing during backward: no
+        DDP), and torchft's Manager and DiLoCo set up beside it. Collective over the
+        default group."""
         from torchft import Manager, ProcessGroupGloo
         from torchft.coordination import LighthouseServer
         from torchft.local_sgd import DiLoCo
@@ -83,57 +84,111 @@ class TorchftDiLoCo(TorchPeer):
         dist.broadcast_object_list(address, src=0)
         self.store = dist.TCPStore(socket.gethostname(), 0, is_master=True,
                                    wait_for_workers=False)
+        # max_retries=0: a failed exchange raises at its commit, as a PeerError does in
+        # ours (by default torchft would drop the fragment's steps and go on).
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=self.timeout), min_replica_size=world,
             use_async_quorum=False, init_sync=False, load_state_dict=None, state_dict=None,
             replica_id=f"rank{rank}", store_addr=socket.gethostname(),
             store_port=self.store.port, rank=0, world_size=1,
-            lighthouse_addr=address[0], timeout=self.timeout,
+            lighthouse_addr=address[0], timeout=self.timeout, max_retries=0,
             quorum_timeout=self.timeout, connect_timeout=self.timeout)
-        fragments = [torch.nn.ParameterList(run) for run in split_into_fragments(
+        self.fragments = [torch.nn.ParameterList(run) for run in split_into_fragments(
             list(model.parameters()), self.options["fragments"])]
         outer = [torch.optim.SGD(fragment.parameters(), **self.outer_options)
-                 for fragment in fragments]
+                 for fragment in self.fragments]
         # DiLoCo runs from the step hooks of this stand-in for the inner optimizer.
         self.stand_in = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
-        self.diloco = DiLoCo(self.manager, fragments, self.stand_in, outer,
+        self.diloco = DiLoCo(self.manager, self.fragments, self.stand_in, outer,
                              sync_every=self.options["period"],
                              backup_device=next(model.parameters()).device, pin_memory=False,
                              fragment_sync_delay=self.options["delay"],
                              fragment_update_alpha=self.options["alpha"]).__enter__()
+        self.every = self.options["period"] // self.options["fragments"]
+        self.sent_from = None  # the weights of the fragment in flight, when it was sent
         self.module = model
-        return model
+        return _WithoutDDP(model)
+
+    def _in_flight(self) -> bool:
+        """A fragment has been sent and not yet merged (only with a delay)."""
+        return self.every - self.options["delay"] <= self.diloco._local_step < self.every
 
     def after_step(self, model: torch.nn.Module, step: int) -> None:
-        self.stand_in.step()  # DiLoCo's post-step hook: prepare or merge a fragment
+        self.stand_in.step()  # DiLoCo's post-step hook: send or merge a fragment
+        if self.options["delay"] and self.diloco._local_step == self.every - self.options["delay"]:
+            fragment = self.fragments[self.diloco._current_fragment()]
+            self.sent_from = [p.detach().clone() for p in fragment.parameters()]
+
+    def _wait_in_flight(self) -> None:
+        for fragment in self.diloco._fragments:
+            for work in fragment._allreduce_work:
+                work.wait()
+
+    def settle(self) -> None:
+        """Wait for a fragment in flight (every rank has sent the same one)."""
+        self._wait_in_flight()
 
     def close(self) -> None:
-        if self.diloco is not None:
+        """Wait for a fragment in flight, then leave together: every rank's exchanges
+        are over before any Manager stops, and rank 0's lighthouse stops last."""
+        if self.diloco is None:
+            return
+        try:
+            self._wait_in_flight()
+            dist.barrier()
+        finally:
             self.diloco.__exit__(None, None, None)
-            self.manager.shutdown(wait=False)
-            if self.lighthouse is not None:
-                self.lighthouse.shutdown()
             self.diloco = None
+            try:
+                self.manager.shutdown(wait=False)
+            finally:
+                if self.lighthouse is not None:
+                    self.lighthouse.shutdown()
 
     def state_dict(self) -> Dict[str, Any]:
         """What torchft itself checkpoints: the Manager's step (which picks the next
         fragment), each fragment's synced weights and outer optimizer (through the
         functions DiLoCo registered with the Manager), and the inner steps since the
-        last synchronization."""
+        last synchronization; with a fragment in flight, the weights it was sent from."""
         fragments = {key: save() for key, save in self.manager._user_state_dicts.items()}
-        return {"manager": self.manager.state_dict(), "fragments": fragments,
-                "local_step": self.diloco._local_step}
+        state = {"manager": self.manager.state_dict(), "fragments": fragments,
+                 "local_step": self.diloco._local_step}
+        if self._in_flight():
+            state["sent_from"] = [t.clone() for t in self.sent_from]
+        return state
 
+    @torch.no_grad()
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Continue from state_dict(). A checkpoint taken while a fragment was in flight
-        (between its send, `delay` steps before its merge, and the merge) holds the
-        weights it was sent from: its exchange is started again from them, as DiLoCo's
-        own hook started it (a new quorum, then prepare_sync)."""
+        """Continue from state_dict(). A fragment that was in flight at the save is sent
+        again, from the weights it was sent from, as DiLoCo's own hook sent it (a new
+        quorum, then prepare_sync), while the replica keeps its later weights."""
         self.manager.load_state_dict(state["manager"])
         for key, value in state["fragments"].items():
             self.manager._load_state_dict_fns[key](value)
-        self.diloco._local_step = local_step = state["local_step"]
-        every = self.options["period"] // self.options["fragments"]
-        if every - self.options["delay"] <= local_step < every:
+        self.diloco._local_step = state["local_step"]
+        if self._in_flight():
+            index = self.diloco._current_fragment()
+            params = list(self.fragments[index].parameters())
+            now = [p.detach().clone() for p in params]
+            self.sent_from = [t.to(p.device) for t, p in zip(state["sent_from"], params)]
+            for p, sent in zip(params, self.sent_from):
+                p.copy_(sent)
             self.manager.start_quorum()
-            self.diloco._fragments[self.diloco._current_fragment()].prepare_sync()
+            self.diloco._fragments[index].prepare_sync()
+            for p, later in zip(params, now):
+                p.copy_(later)
+
+
+class _WithoutDDP(torch.nn.Module):
+    """The model as it is, with DDP's no_sync() (there is nothing to hold back): what
+    the trainer and trainer.bench call around steps that must not communicate."""
+
+    def __init__(self, module: torch.nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def no_sync(self):
+        return contextlib.nullcontext()

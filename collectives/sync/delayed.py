@@ -98,7 +98,9 @@ class Delayed(SyncStrategy):
         self.worker.drain()
 
     def close(self) -> None:
-        if self.in_flight:
-            self._wait_in_flight()  # its gradient is never applied: training is over
+        try:
+            if self.in_flight:
+                self._wait_in_flight()  # its gradient is never applied: training is over
+        finally:
             self.in_flight = None
-        self.worker.stop()
+            self.worker.stop()

@@ -76,6 +76,29 @@ def split_into_fragments(params: List[torch.Tensor], count: int) -> List[List[to
     return fragments
 
 
+def check_schedule(name: str, period, fragments, delay) -> None:
+    """Whole numbers, a period cut evenly into fragments, a delay within one fragment's
+    turn: else a ValueError naming the strategy."""
+    if not all(isinstance(value, int) and not isinstance(value, bool)
+               for value in (period, fragments, delay)):
+        raise ValueError(f"{name}: period, fragments and delay must be whole numbers "
+                         f"(got {period!r}, {fragments!r}, {delay!r})")
+    if period < 1 or fragments < 1 or period % fragments:
+        raise ValueError(f"{name}: period ({period}) must be a positive multiple of "
+                         f"fragments ({fragments})")
+    if not 0 <= delay < period // fragments:
+        raise ValueError(f"{name}: delay must be 0 or more and below period/fragments "
+                         f"= {period // fragments}, got {delay}")
+
+
+def check_outer(name: str, outer_lr, outer_momentum, nesterov, alpha) -> None:
+    if outer_lr <= 0 or outer_momentum < 0 or not 0 <= alpha <= 1:
+        raise ValueError(f"{name}: outer_lr must be positive, outer_momentum 0 or more, "
+                         f"alpha in [0, 1] (got {outer_lr}, {outer_momentum}, {alpha})")
+    if nesterov and outer_momentum == 0:
+        raise ValueError(f"{name}: nesterov needs outer_momentum > 0")
+
+
 @register("diloco")
 class DiLoCo(SyncStrategy):
     uses_buckets = False
@@ -85,17 +108,8 @@ class DiLoCo(SyncStrategy):
     def __init__(self, period: int = 8, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, fragments: int = 1, delay: int = 0,
                  alpha: float = 0.0, algorithm: str = "auto"):
-        if period < 1 or fragments < 1 or period % fragments:
-            raise ValueError(f"diloco: period ({period}) must be a positive multiple of "
-                             f"fragments ({fragments})")
-        if not 0 <= delay < period // fragments:
-            raise ValueError(f"diloco: delay must be 0 or more and below period/fragments "
-                             f"= {period // fragments}, got {delay}")
-        if outer_lr <= 0 or outer_momentum < 0 or not 0 <= alpha <= 1:
-            raise ValueError(f"diloco: outer_lr must be positive, outer_momentum 0 or more, "
-                             f"alpha in [0, 1] (got {outer_lr}, {outer_momentum}, {alpha})")
-        if nesterov and outer_momentum == 0:
-            raise ValueError("diloco: nesterov needs outer_momentum > 0")
+        check_schedule("diloco", period, fragments, delay)
+        check_outer("diloco", outer_lr, outer_momentum, nesterov, alpha)
         self.period, self.fragment_count, self.delay, self.alpha = period, fragments, delay, alpha
         self.every = period // fragments  # steps between two fragment synchronizations
         self.outer_options = dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
@@ -169,11 +183,13 @@ class DiLoCo(SyncStrategy):
             self.worker.drain()
 
     def close(self) -> None:
-        if self.in_flight:
-            self._wait_in_flight()  # its fragment is never merged: training is over
+        try:
+            if self.in_flight:
+                self._wait_in_flight()  # its fragment is never merged: training is over
+        finally:
             self.in_flight = None
-        if self.delay:
-            self.worker.stop()
+            if self.delay:
+                self.worker.stop()
 
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {

@@ -205,7 +205,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.sync_options = dict(args.sync_option)
     try:  # a strategy rejects unknown or bad options before anything runs
         create_sync(args)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, RuntimeError) as error:  # RuntimeError: a missing extra
         parser.error(f"--sync {args.sync} --sync-option: {error}")
     if torch_peers.is_peer(args.sync) and args.backend == "mpi":
         parser.error(f"--sync {args.sync} is torch's DDP: it runs on torch.distributed "
@@ -217,4 +217,4 @@ def create_sync(args: argparse.Namespace):
     """The strategy --sync names: one of ours, or a torch peer (torch's DDP and hook)."""
     if torch_peers.is_peer(args.sync):
         return torch_peers.create(args.sync, **args.sync_options)
-    return sync.create(args.sync, algorithm=args.algorithm, **args.sync_options)
+    return sync.create(args.sync, **{"algorithm": args.algorithm, **args.sync_options})
