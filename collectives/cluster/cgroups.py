@@ -116,10 +116,18 @@ def thaw(group: str) -> None:
         _write(state, "THAWED")
 
 
+def thaw_all(groups: Sequence[str]) -> None:
+    """Thaw every freezer group of `groups` that can be: clean-up goes on regardless."""
+    for group in groups:
+        try:
+            thaw(group)
+        except CgroupError:
+            pass
+
+
 def remove(groups: Sequence[str]) -> None:
     """Thaw, empty and remove `groups` (deepest first; missing ones are skipped)."""
-    for group in groups:
-        thaw(group)
+    thaw_all(groups)
     for group in sorted(groups, key=len, reverse=True):
         if not os.path.isdir(group):
             continue

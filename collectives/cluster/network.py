@@ -137,8 +137,8 @@ class ClusterSpec:
             self._check_host(pause.host)
             if not (0 <= pause.at < math.inf and 0 < pause.seconds < math.inf):
                 raise ValueError(f"a pause of {self.hostname(pause.host)} starts at 0 s or "
-                                 f"later and lasts more than 0 s, got {pause.at:g} s for "
-                                 f"{pause.seconds:g} s")
+                                 f"later and lasts a finite time above 0 s, got "
+                                 f"{pause.at:g} s for {pause.seconds:g} s")
         for first, second in zip(sorted(self.pauses), sorted(self.pauses)[1:]):
             if first.host == second.host and second.at < first.at + first.seconds:
                 raise ValueError(f"the pauses of {self.hostname(first.host)} overlap")
@@ -373,8 +373,7 @@ class Network:
         """Kill every process still running on a host: what a job's ranks left behind
         (`cmd &` outlives its shell) may hold their output pipes open. Frozen hosts are
         thawed first: SIGKILL reaches a frozen process only once it is thawed."""
-        for group in self.all_cgroups:
-            cgroups.thaw(group)
+        cgroups.thaw_all(self.all_cgroups)
         _kill_processes(self.namespaces)
 
     def remove(self) -> None:
@@ -424,8 +423,7 @@ def check_cgroups(spec: ClusterSpec) -> None:
 
 def _remove_run(run: str, namespaces: List[str], uts_files: List[str], etc_dirs: List[str],
                 state_dir: str, groups: Sequence[str] = ()) -> None:
-    for group in groups:
-        cgroups.thaw(group)  # a frozen process cannot die: thaw before killing
+    cgroups.thaw_all(groups)     # a frozen process cannot die: thaw before killing
     _kill_processes(namespaces)  # every process still inside a host dies first
     cgroups.remove(groups)       # and every one still in a host's groups
     existing = set(_list_netns())
