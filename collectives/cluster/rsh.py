@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from .cgroups import join
+from .cgroups import CgroupError, join
 
 SSH_OPTIONS_WITH_VALUE = {"-o", "-p", "-l", "-i", "-F", "-J", "-c", "-m", "-b", "-E"}
 
@@ -43,7 +43,11 @@ def main(argv) -> int:
     entry = hosts[name]
     # We run on another host (mpiexec's, whose /sys hides the cgroups): the groups are
     # reached through the launcher's view of the files.
-    join(entry.get("cgroups", []), through_pid=state["owner"])
+    try:
+        join(entry.get("cgroups", []), through_pid=state["owner"])
+    except CgroupError as error:
+        print(f"collectives.cluster.rsh: {error}", file=sys.stderr)
+        return 255
     os.execvp("nsenter", ["nsenter", f"--uts={entry['uts']}", "ip", "netns", "exec",
                           entry["netns"], "sh", "-c", command])
     return 255  # not reached
