@@ -17,9 +17,11 @@ import time
 
 import pytest
 
-from collectives.cluster import ClusterSpec, Network
-from collectives.cluster.job import start_mpirun, start_ranks
-from collectives.cluster.network import STATE_ROOT, TOOLS
+from collectives.cluster import ClusterError, ClusterSpec, Network, cgroups
+from collectives.cluster.__main__ import describe, parse
+from collectives.cluster.job import _cluster_env, start_mpirun, start_ranks
+from collectives.cluster.network import STATE_ROOT, TOOLS, Pause
+from collectives.cluster.slurm import PROGRAMS
 from collectives.launch.mpirun import find_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -76,6 +78,7 @@ def assert_left_nothing(run, mark=None, links_before=None):
     etc = os.listdir("/etc/netns") if os.path.isdir("/etc/netns") else []
     assert not [name for name in etc if name.startswith(run + "-")], etc
     assert not os.path.exists(os.path.join(STATE_ROOT, run))
+    assert not cgroups.leftover_groups([run]), "cgroups left behind"
     if mark is not None:
         assert not marked_processes(mark), "processes of the job left behind"
     if links_before is not None:
@@ -312,6 +315,7 @@ def remove_run(run):
     except (OSError, ValueError):
         ranks_per_host = [1] * sum(n.startswith(run + "-node") for n in netns_names())
     Network(ClusterSpec(ranks_per_host or [1]), run=run).remove()
+    cgroups.remove(cgroups.leftover_groups([run]))
 
 
 def stop_launcher(launcher):
@@ -462,3 +466,232 @@ def test_latency_works_or_says_in_one_line_that_netem_is_missing():
         assert done.returncode == 2, done.stderr
         assert done.stderr.strip().count("\n") == 0 and "netem" in done.stderr, done.stderr
     assert netns_names() == before
+
+
+# --- hosts that are not alike: --cpu-share, --link, --pause ----------------------------
+
+def rank_lines(stdout):
+    """{hostname: [words of each line its rank printed]}, from lines `nodeH WORD ...`
+    (under --no-prefix: each rank writes its line in one write, whole)."""
+    out = {}
+    for line in stdout.splitlines():
+        host, *words = line.split()
+        out.setdefault(host, []).append(words)
+    return out
+
+
+SPIN = """
+import os, time
+end = time.monotonic() + 1.5
+cpu = time.process_time()
+n = 0
+while time.monotonic() < end:
+    n += 1
+os.write(1, f"{os.uname().nodename} {n} {time.process_time() - cpu}\\n".encode())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_cpu_share_slows_that_host_down():
+    """2 hosts x 1 rank, each counting loop iterations for 1.5 s (and the CPU time that
+    took); node1 gets a quarter of one core (on 2 cores: --cpu-share node1=0.25). Its
+    CPU time is capped by the kernel, whatever else runs; node0's is not: on a machine
+    busy with other work it got as little as 0.35 s, and then counted fewer than node1
+    (so the two counts are not compared directly). Compared with what node0's pace
+    gives a whole core in 1.5 s, node1 counted 0.03-0.33 of it in 10 runs."""
+    fraction = 0.25 * 2 / (os.cpu_count() or 1)  # of a fair share of 1/2 the cores
+    done = run_cli("--hosts", "2", "--no-prefix", "--cpu-share", f"node1={fraction:g}",
+                   "--", sys.executable, "-S", "-c", SPIN, timeout=50)
+    assert done.returncode == 0, done.stderr
+    first = done.stderr.splitlines()[0]
+    assert first.startswith("collectives.cluster: run cc") and (
+        f"node1 at {fraction:g} CPU share (0.25 cores)" in first), first
+    (count0, cpu0), (count1, cpu1) = [(int(lines[0][0]), float(lines[0][1])) for _, lines
+                                      in sorted(rank_lines(done.stdout).items())]
+    # the quota: 25 ms per 100 ms period, over at most 16 periods of the 1.5 s loop
+    assert cpu1 < 0.25 * 1.6 + 0.05, (cpu1, done.stdout)
+    whole_core = count0 / cpu0 * 1.5  # node0's pace, for 1.5 s of one core
+    assert count1 < 0.6 * whole_core, (count1, whole_core, done.stdout)
+    assert_left_nothing(first.split()[2].rstrip(":"))
+
+
+TICKS = """
+import os, time
+ticks = [time.time()]
+while ticks[-1] < ticks[0] + 3.5:
+    time.sleep(0.05)
+    ticks.append(time.time())
+gap = max(b - a for a, b in zip(ticks, ticks[1:]))
+os.write(1, f"{os.uname().nodename} {gap}\\n".encode())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_pause_freezes_every_process_of_that_host_for_its_duration():
+    """node1 is frozen 1.5 s after the ranks start (well after they begin stamping),
+    for 1 s: its rank, stamping the time every 0.05 s for 3.5 s, sees one gap of about
+    1 s (measured 1.022-1.029 s); node0's rank goes on as before (0.050-0.053 s)."""
+    duration = 1.0
+    done = run_cli("--hosts", "2", "--no-prefix", "--pause", f"node1@1.5:{duration}", "--",
+                   sys.executable, "-S", "-c", TICKS, timeout=50)
+    assert done.returncode == 0, done.stderr
+    first = done.stderr.splitlines()[0]
+    assert "node1 paused at 1.5s for 1s" in first, first
+    gaps = {host: float(lines[0][0]) for host, lines in rank_lines(done.stdout).items()}
+    assert gaps["node1"] >= 0.8 * duration, gaps
+    assert gaps["node0"] < 0.5, gaps
+    assert "node1 resumed at" in done.stderr, done.stderr
+    assert_left_nothing(first.split()[2].rstrip(":"))
+
+
+SEND = """
+import socket, sys, time
+if sys.argv[1] == "receive":
+    server = socket.create_server(("0.0.0.0", 5000))
+    print("listening", flush=True)
+    connection, _ = server.accept()
+    received = started = 0
+    while chunk := connection.recv(1 << 16):
+        started = started or time.monotonic()
+        received += len(chunk)
+    print(received, time.monotonic() - started, flush=True)
+else:
+    for _ in range(200):
+        try:
+            connection = socket.create_connection((sys.argv[2], 5000))
+            break
+        except OSError:
+            time.sleep(0.05)
+    connection.sendall(bytes(1 << 20))
+"""
+
+
+def transfer_seconds(network, sender, receiver):
+    """Seconds 1 MiB takes from host `sender` to host `receiver` over TCP."""
+    receive = subprocess.Popen(network.enter(receiver) + [
+        sys.executable, "-S", "-c", SEND, "receive"], stdout=subprocess.PIPE, text=True)
+    assert receive.stdout.readline().strip() == "listening"
+    subprocess.run(network.enter(sender) + [sys.executable, "-S", "-c", SEND, "send",
+                                            network.spec.address(receiver)],
+                   check=True, timeout=30)
+    received, seconds = receive.communicate(timeout=30)[0].split()
+    assert int(received) == 1 << 20
+    return float(seconds)
+
+
+@pytest.mark.timeout(60)
+def test_link_gives_that_host_its_own_rate_both_ways():
+    """node1's link at 10 Mbit/s, the others' at 1 Gbit/s: both ends of node1's link
+    (its eth0, the switch's port towards it) are shaped to 10 Mbit/s, and 1 MiB takes
+    about 0.75 s each way (0.8 s less the bucket's 128 KiB head start), not 8 ms.
+    Ranks are told the slowest rate: they size their messages by it and must agree."""
+    spec = ClusterSpec((1, 1), bandwidth="1gbit", link={1: "10mbit"})
+    with Network(spec) as network:
+        def qdisc(namespace, device):
+            return subprocess.run(["ip", "netns", "exec", namespace, "tc", "qdisc", "show",
+                                   "dev", device], capture_output=True, text=True).stdout
+        assert "rate 10Mbit" in qdisc(network.netns(1), "eth0")
+        assert "rate 10Mbit" in qdisc(network.switch, "node1")
+        assert "rate 1Gbit" in qdisc(network.netns(0), "eth0")
+        assert "rate 1Gbit" in qdisc(network.switch, "node0")
+        assert _cluster_env(network)["COLLECTIVES_CLUSTER_RATE"] == str(10**7)
+        assert transfer_seconds(network, 1, 0) > 0.5   # out of node1: its eth0
+        assert transfer_seconds(network, 0, 1) > 0.5   # into node1: the switch's port
+    assert_removed(network)
+
+
+@pytest.mark.timeout(60)
+def test_cli_killed_while_a_host_is_frozen_leaves_its_cgroups_to_cleanup():
+    """A launcher SIGKILLed while node1 is frozen: its cgroups stay (with a frozen
+    process in them) until --cleanup thaws them, kills what is in them and removes them."""
+    links = host_links()
+    with running_launcher("--hosts", "2", "--cpu-share", "0=0.5", "--pause", "node1@0:60",
+                          "--", "sleep", "60", hosts=2,
+                          stderr=subprocess.DEVNULL) as (launcher, run, mark):
+        freezer = os.path.join(cgroups.CGROUP_ROOT, "freezer", run, "node1")
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not (
+                os.path.exists(freezer + "/freezer.state")
+                and open(freezer + "/freezer.state").read().strip() == "FROZEN"
+                and open(freezer + "/cgroup.procs").read().split()):
+            time.sleep(0.1)
+        assert open(freezer + "/freezer.state").read().strip() == "FROZEN"
+        launcher.kill()
+        launcher.wait(timeout=30)
+        assert len(cgroups.leftover_groups([run])) == 6  # 2 controllers x (run + 2 hosts)
+        done = run_cli("--cleanup")
+        assert done.returncode == 0 and run in done.stdout, done.stdout
+    assert_left_nothing(run, mark, links)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("launcher", ["ranks", "mpirun", "slurm"])
+def test_every_process_of_a_host_is_in_its_groups_however_it_started(launcher):
+    """Ranks started by the launcher, by mpirun (its proxy reaches node1 through rsh.py),
+    or by srun (through the slurmd of each host): each is in its own host's groups."""
+    show = ["sh", "-c", 'echo "$(hostname) $(grep -E ":(cpu|freezer):" /proc/self/cgroup '
+                        '| cut -d: -f3 | sort | tr "\\n" " ")"']
+    missing = [program for program in PROGRAMS if shutil.which(program) is None]
+    if launcher == "slurm" and missing:
+        pytest.skip(f"--scheduler slurm needs {', '.join(missing)}")
+    options = ["--hosts", "2", "--no-prefix", "--cpu-share", "node1=1",
+               "--pause", "node0@600:1"]
+    command = {"ranks": ["--", *show],
+               "mpirun": ["--launcher", "mpirun", "--", find_mpirun()[0], "-np", "2", *show],
+               "slurm": ["--scheduler", "slurm", "--", "srun", "-N", "2",
+                         "--ntasks-per-node", "1", *show]}[launcher]
+    done = run_cli(*options, *command, timeout=100)
+    assert done.returncode == 0, done.stderr
+    run = done.stderr.split()[2].rstrip(":")
+    seen = {host: groups for host, *groups in map(str.split, done.stdout.splitlines())}
+    assert seen == {f"node{h}": [f"/{run}/node{h}", f"/{run}/node{h}"] for h in (0, 1)}, (
+        done.stdout)
+    assert_left_nothing(run)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--cpu-share", "node2=0.5"], "--cpu-share: no host 'node2'"),
+    (["--cpu-share", "1=0"], "FRACTION must be in (0, 1]"),
+    (["--cpu-share", "1=1.5"], "FRACTION must be in (0, 1]"),
+    (["--cpu-share", "1=0.5", "--cpu-share", "node1=0.2"], "names node1 twice"),
+    (["--link", "node1=fast"], "rate 'fast'"),
+    (["--link", "7=10mbit"], "--link: no host '7'"),
+    (["--pause", "node1@-1:2"], "SECONDS must be 0 or more"),
+    (["--pause", "node1@1:0"], "DURATION more than 0"),
+    (["--pause", "node1@nan:1"], "SECONDS must be 0 or more"),
+    (["--pause", "node1@1"], "write HOST@SECONDS:DURATION"),
+    (["--pause", "node1@1:5", "--pause", "node1@3:1"], "the pauses of node1 overlap"),
+])
+def test_bad_host_options_are_usage_errors_before_anything_is_built(args, message, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse(["--hosts", "2", *args, "--", "true"])
+    assert stopped.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_first_line_names_every_host_that_differs():
+    _, _, spec = parse(["--hosts", "4", "--bandwidth", "100mbit", "--cpu-share", "node3=0.5",
+                        "--link", "1=10mbit", "--pause", "node2@5:10", "--", "true"])
+    line = describe(Network(spec, run="cc000000"))
+    cores = 0.5 * (os.cpu_count() or 1) / 4
+    assert line == (f"collectives.cluster: run cc000000: 4 hosts x 1 rank, 100mbit; node3 at "
+                    f"0.5 CPU share ({cores:.3g} core{'s' * (cores != 1)}); node1 link 10mbit; "
+                    "node2 paused at 5s for 10s")
+
+
+@pytest.mark.parametrize("option,spec", [
+    ("--cpu-share", ClusterSpec((1, 1), cpu_share={1: 0.5})),
+    ("--pause", ClusterSpec((1, 1), pauses=(Pause(1, 1.0, 1.0),))),
+])
+def test_a_missing_cgroup_controller_is_one_line_before_anything_is_built(
+        option, spec, tmp_path, monkeypatch):
+    """Where the controller an option needs is not mounted: a ClusterError naming the
+    option and the controller, and nothing built."""
+    monkeypatch.setattr(cgroups, "CGROUP_ROOT", str(tmp_path))  # no controller there
+    before = netns_names()
+    network = Network(spec)
+    with pytest.raises(ClusterError) as error:
+        network.build()
+    assert str(error.value).startswith(f"{option} needs cgroup v1's ")
+    assert "\n" not in str(error.value)
+    assert netns_names() == before and not os.path.exists(network.state_dir)

@@ -179,6 +179,19 @@ def test_compare_starts_each_job_with_the_chosen_launcher():
         compare.main(["--sync", "no-such-sync"])
 
 
+def test_compare_passes_hosts_that_differ_on_to_the_cluster():
+    args = argparse.Namespace(launcher="cluster", nproc=2, hosts=2, ranks_per_host=1,
+                              bandwidth="100mbit", cpu_share=["node1=0.5"],
+                              link=["0=10mbit", "node1=20mbit"], pause=["1@5:2"])
+    argv, _ = compare.launch_command(args, ["--sync", "ddp"])
+    cluster = argv[:argv.index("--")]
+    assert cluster[-8:] == ["--cpu-share", "node1=0.5", "--link", "0=10mbit", "--link",
+                            "node1=20mbit", "--pause", "1@5:2"]
+    for option in (["--cpu-share", "1=0.5"], ["--link", "1=10mbit"], ["--pause", "1@1:1"]):
+        with pytest.raises(SystemExit):  # not without the emulated cluster
+            compare.main(["--sync", "allreduce", "--launcher", "torchrun", *option])
+
+
 def test_compare_writes_table_plot_and_every_jobs_epochs(tmp_path, monkeypatch):
     """The files a comparison leaves (jobs stood in for: each would train for minutes)."""
     def fake_job(entry, args, trainer_flags, folder):

@@ -4,12 +4,16 @@
         --sync allreduce,ddp,local-sgd:period=8,ddp-localsgd:period=8,bf16,ddp-bf16 \\
         --epochs 4 --stop-at 0.95 --out docs/data/compare
     python -m trainer.compare --hosts 4 --bandwidth 100mbit ...   (the emulated cluster)
+    python -m trainer.compare --hosts 4 --bandwidth 100mbit --cpu-share node3=0.5 \\
+        --link node1=10mbit --pause node2@30:10 ...    (hosts not alike)
     python -m trainer.compare --launcher torchrun --nproc 2 ...
 
 Each strategy runs as its own job, started by --launcher: `mpirun -np N python -m
 trainer ... --sync NAME` (the mpirun that matches mpi4py; the default), torchrun, or
 the emulated cluster (`python -m collectives.cluster --hosts H --ranks-per-host L
---bandwidth RATE -- python -m trainer ...`; --hosts alone picks it), with every other
+--bandwidth RATE -- python -m trainer ...`; --hosts alone picks it; --cpu-share, --link
+and --pause pass on to it: a slower host, a slower link, a host frozen for a while,
+python -m collectives.cluster --help), with every other
 trainer flag the same. The names are our strategies and torch's peers (ddp,
 ddp-fp16, ddp-bf16, ddp-powersgd, ddp-localsgd: trainer/torch_peers.py). A
 strategy's options follow its name after a colon: `local-sgd:period=8:warmup_steps=10`.
@@ -42,6 +46,15 @@ from collectives.launch.mpirun import mpirun_command
 from . import torch_peers
 
 
+# Options of the emulated cluster that make one host differ, passed on as given.
+CLUSTER_HOST_OPTIONS = {
+    "--cpu-share": ("HOST=FRACTION", "the host gets FRACTION of its fair share of the cores"),
+    "--link": ("HOST=RATE", "the host's link runs at RATE, not --bandwidth"),
+    "--pause": ("HOST@SECONDS:DURATION", "the host is frozen for DURATION seconds, "
+                                         "SECONDS after the ranks start"),
+}
+
+
 def parse_sync(entry: str):
     """'local-sgd:period=8' -> ('local-sgd', ['--sync-option', 'period=8'])."""
     name, *options = entry.split(":")
@@ -62,6 +75,9 @@ def launch_command(args, trainer_argv: List[str]):
                "--ranks-per-host", str(args.ranks_per_host)]
     if args.bandwidth:
         cluster += ["--bandwidth", args.bandwidth]
+    for option in CLUSTER_HOST_OPTIONS:
+        for value in getattr(args, option[2:].replace("-", "_"), None) or []:
+            cluster += [option, value]
     return [*cluster, "--", sys.executable, "-m", "trainer", *trainer_argv], dict(os.environ)
 
 
@@ -208,6 +224,9 @@ def main(argv=None) -> int:
                         help="ranks on each emulated host (default 1)")
     parser.add_argument("--bandwidth", metavar="RATE",
                         help="each emulated link's rate, e.g. 100mbit (default unshaped)")
+    for option, (metavar, text) in CLUSTER_HOST_OPTIONS.items():
+        parser.add_argument(option, action="append", metavar=metavar,
+                            help=f"emulated cluster: {text} (repeatable)")
     parser.add_argument("--sync", required=True,
                         help="comma list of strategies, each NAME[:KEY=VALUE...]")
     parser.add_argument("--target", type=float, default=0.95,
@@ -225,8 +244,9 @@ def main(argv=None) -> int:
         if not args.hosts or args.hosts < 1 or args.ranks_per_host < 1:
             parser.error("--launcher cluster needs --hosts N (and --ranks-per-host at least 1)")
         args.nproc = args.hosts * args.ranks_per_host
-    elif args.hosts or args.bandwidth:
-        parser.error(f"--hosts and --bandwidth are for the emulated cluster, not {args.launcher}")
+    elif args.hosts or args.bandwidth or args.cpu_share or args.link or args.pause:
+        parser.error(f"--hosts, --bandwidth, --cpu-share, --link and --pause are for the "
+                     f"emulated cluster, not {args.launcher}")
     if args.nproc < 1:
         parser.error("--nproc must be at least 1")
     rows = []

@@ -11,6 +11,7 @@ join them through a bridge, and shape every link with tc. Ranks then find their 
 over TCP as on real machines, and shared memory joins only ranks of one host.
 
     network.py   ClusterSpec (what the network is) and Network (build / remove it)
+    cgroups.py   hosts that compute slower (a CPU share) or stop for a while (pauses)
     job.py       starting ranks on the hosts: torchrun-style, or under mpirun
     rsh.py       the ssh stand-in mpiexec uses to reach a host
     __main__.py  the command line

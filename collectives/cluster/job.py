@@ -20,7 +20,9 @@ Three ways, as on a real cluster:
 
 Every way, every process also gets COLLECTIVES_CLUSTER_IFACE (its NIC, whose byte
 counters `collectives.cluster.link_bytes()` reads) and COLLECTIVES_CLUSTER_RATE (the
-link's bits per second), so benchmarks can report what really crossed the wire.
+link's bits per second), so benchmarks can report what really crossed the wire. Where
+hosts have links of their own rates (`--link`), it is the slowest link's, the same on
+every rank: ranks that size their messages by it must agree.
 
 Output: each rank's lines are prefixed with `[rank R node H]: ` (as torchrun's --tee
 and --role do), and the job's exit status is the worst rank's.
@@ -38,7 +40,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
-from .network import IFACE, Network, rate_bits
+from .network import IFACE, Network
 
 MASTER_PORT = 29500  # node0's namespace is new: nothing else listens there
 DRAIN_SECONDS = 5.0  # once the job has ended, how long its output may take to be copied
@@ -55,8 +57,8 @@ def _cluster_env(network: Network) -> Dict[str, str]:
     env.setdefault("UCX_TLS", "sm,tcp,self")
     env["COLLECTIVES_CLUSTER_IFACE"] = IFACE
     env["GLOO_SOCKET_IFNAME"] = IFACE
-    if network.spec.bandwidth:
-        env["COLLECTIVES_CLUSTER_RATE"] = str(rate_bits(network.spec.bandwidth))
+    if network.spec.slowest_rate():
+        env["COLLECTIVES_CLUSTER_RATE"] = str(network.spec.slowest_rate())
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
                  "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "PMIX_RANK"):

@@ -15,7 +15,13 @@ Each link is a veth pair, full duplex. A link of rate R is shaped in both direct
 with the kernel's token-bucket filter (tc tbf): on the host's eth0 for what the host
 sends and on the switch's port for what it receives, so a host can send R and receive
 R at the same time, as on a real NIC. `--latency` needs tc's netem qdisc, which not
-every kernel has.
+every kernel has. A host may have a link of its own rate (`ClusterSpec.link`, the
+command line's `--link node1=10mbit`): both of its link's ends are shaped to it.
+
+Hosts may also differ in compute: a host given a CPU share computes slower, and a host
+given pauses is frozen for a while (`ClusterSpec.cpu_share`, `ClusterSpec.pauses`;
+cgroups.py). Their processes then sit in control groups of the host's own, which
+`enter()` joins before it enters the namespaces.
 
 What a process run "on" a host sees: `nsenter --uts=<host's UTS ns> ip netns exec
 <host's net ns> CMD`. `ip netns exec` also mounts the host's own /sys (so
@@ -31,6 +37,7 @@ parallel, never collide. Everything a run creates is listed in its state folder
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import secrets
@@ -39,7 +46,9 @@ import signal
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
+
+from . import cgroups
 
 STATE_ROOT = "/run/collectives-cluster"
 SUBNET = "10.200.0"        # host i is SUBNET.(i+1)/24; private to the run's namespaces
@@ -68,6 +77,13 @@ class ClusterError(RuntimeError):
     """The cluster cannot be built here (privileges, tools, kernel); one line says why."""
 
 
+class Pause(NamedTuple):
+    """A host frozen for a while: every process on it stops, then goes on."""
+    host: int          # the host's index
+    at: float          # seconds after the job's ranks start
+    seconds: float     # how long it stays frozen
+
+
 def check_tools() -> None:
     """Raise ClusterError naming every command the cluster needs that is not on PATH,
     with the packages that have them: one line up front, not a traceback from the
@@ -94,16 +110,42 @@ def rate_bits(rate: str) -> int:
 
 @dataclass(frozen=True)
 class ClusterSpec:
-    """What the emulated cluster is: hosts, ranks on each, and its links."""
+    """What the emulated cluster is: hosts, ranks on each, their links and compute."""
     ranks_per_host: Sequence[int]          # one entry per host, e.g. (2, 2) or (1, 3)
     bandwidth: Optional[str] = None        # each link's rate each way ("100mbit"); None: unshaped
     latency: Optional[str] = None          # added one-way delay ("5ms"); needs netem
+    # host -> its link's own rate, instead of bandwidth ({1: "10mbit"})
+    link: Mapping[int, str] = field(default_factory=dict)
+    # host -> the fraction of its fair share of the cores it gets (cgroups.quota_us)
+    cpu_share: Mapping[int, float] = field(default_factory=dict)
+    pauses: Sequence[Pause] = ()           # hosts frozen for a while
 
     def __post_init__(self):
         if not self.ranks_per_host or min(self.ranks_per_host) < 1:
             raise ValueError("every host needs at least one rank")
         if self.bandwidth is not None:
             rate_bits(self.bandwidth)
+        for host, rate in self.link.items():
+            self._check_host(host)
+            rate_bits(rate)
+        for host, fraction in self.cpu_share.items():
+            self._check_host(host)
+            if not 0 < fraction <= 1:
+                raise ValueError(f"the CPU share of {self.hostname(host)} must be in (0, 1], "
+                                 f"got {fraction:g}")
+        for pause in self.pauses:
+            self._check_host(pause.host)
+            if not (0 <= pause.at < math.inf and 0 < pause.seconds < math.inf):
+                raise ValueError(f"a pause of {self.hostname(pause.host)} starts at 0 s or "
+                                 f"later and lasts a finite time above 0 s, got "
+                                 f"{pause.at:g} s for {pause.seconds:g} s")
+        for first, second in zip(sorted(self.pauses), sorted(self.pauses)[1:]):
+            if first.host == second.host and second.at < first.at + first.seconds:
+                raise ValueError(f"the pauses of {self.hostname(first.host)} overlap")
+
+    def _check_host(self, host: int) -> None:
+        if not 0 <= host < self.hosts:
+            raise ValueError(f"no host {host}: the hosts are 0..{self.hosts - 1}")
 
     @property
     def hosts(self) -> int:
@@ -116,8 +158,33 @@ class ClusterSpec:
     def hostname(self, host: int) -> str:
         return f"node{host}"
 
+    def host_index(self, name: str) -> int:
+        """The host called `name`: its hostname (node1) or its index (1)."""
+        names = [self.hostname(h) for h in range(self.hosts)]
+        if name in names:
+            return names.index(name)
+        if name.isdigit() and int(name) < self.hosts:
+            return int(name)
+        raise ValueError(f"no host {name!r}: the hosts are {', '.join(names)} "
+                         f"(or 0..{self.hosts - 1})")
+
     def address(self, host: int) -> str:
         return f"{SUBNET}.{host + 1}"
+
+    def link_rate(self, host: int) -> Optional[str]:
+        """The rate of `host`'s link each way: its own, else --bandwidth (None: unshaped)."""
+        return self.link.get(host, self.bandwidth)
+
+    def slowest_rate(self) -> Optional[int]:
+        """Bits per second of the slowest shaped link (None: no link is shaped)."""
+        rates = [rate_bits(r) for r in map(self.link_rate, range(self.hosts)) if r]
+        return min(rates) if rates else None
+
+    @property
+    def controllers(self) -> List[str]:
+        """The cgroup controllers this cluster needs: cpu for CPU shares, freezer for
+        pauses. Every host gets a group in each (unlimited, never frozen, unless asked)."""
+        return (["cpu"] if self.cpu_share else []) + (["freezer"] if self.pauses else [])
 
 
 @dataclass
@@ -150,15 +217,39 @@ class Network:
     def etc_dir(self, host: int) -> str:
         return os.path.join("/etc/netns", self.netns(host))
 
+    def cgroup(self, controller: str, host: Optional[int] = None) -> str:
+        """The run's group in `controller`, or with `host`, that host's group in it."""
+        folder = os.path.join(cgroups.controller_dir(controller), self.run)
+        return folder if host is None else os.path.join(folder, self.spec.hostname(host))
+
+    def host_cgroups(self, host: int) -> List[str]:
+        """Every group `host`'s processes belong to (none unless a host has a CPU share
+        or a pause)."""
+        return [self.cgroup(controller, host) for controller in self.spec.controllers]
+
+    @property
+    def all_cgroups(self) -> List[str]:
+        """Every group of the run, each run folder before the hosts' groups in it."""
+        return [group for controller in self.spec.controllers
+                for group in [self.cgroup(controller)] + [self.cgroup(controller, h)
+                                                          for h in range(self.spec.hosts)]]
+
+    def join_cgroups(self, host: int) -> List[str]:
+        """The argv prefix that moves a command into `host`'s groups, if it has any."""
+        return cgroups.join_argv(self.host_cgroups(host))
+
     def enter(self, host: int) -> List[str]:
-        """The argv prefix that runs a command on `host` (its hostname, network, /etc)."""
-        return ["nsenter", f"--uts={self.uts_file(host)}", "ip", "netns", "exec",
-                self.netns(host)]
+        """The argv prefix that runs a command on `host` (its cgroups, hostname, network,
+        /etc). The groups are joined first: inside the host, /sys/fs/cgroup is hidden."""
+        return self.join_cgroups(host) + [
+            "nsenter", f"--uts={self.uts_file(host)}", "ip", "netns", "exec", self.netns(host)]
 
     # --- bringing it up -------------------------------------------------------------------
     def build(self) -> "Network":
-        """Create every namespace, link and file; on any failure remove what was made."""
+        """Create every namespace, link, group and file; on any failure remove what was
+        made."""
         check_tools()
+        check_cgroups(self.spec)
         try:
             os.makedirs(STATE_ROOT, exist_ok=True)
             os.makedirs(self.state_dir)
@@ -175,6 +266,10 @@ class Network:
 
     def _build(self) -> None:
         spec = self.spec
+        try:
+            self._make_cgroups()
+        except cgroups.CgroupError as error:
+            raise ClusterError(str(error)) from None
         first = _run(["ip", "netns", "add", self.switch], check=False)
         if first.returncode != 0:
             raise ClusterError("needs root (CAP_SYS_ADMIN and CAP_NET_ADMIN) to create "
@@ -190,17 +285,32 @@ class Network:
             _in(self.switch, f"ip link set {port} master switch && ip link set {port} up")
             _in(self.netns(host), f"ip addr add {spec.address(host)}/24 dev {IFACE} "
                                   f"&& ip link set {IFACE} up && ip link set lo up")
-            self._shape(self.netns(host), IFACE)
-            self._shape(self.switch, port)
+            self._shape(self.netns(host), IFACE, spec.link_rate(host))
+            self._shape(self.switch, port, spec.link_rate(host))
             self._name_host(host)
 
-    def _shape(self, namespace: str, device: str) -> None:
-        """Limit what leaves `device` to the link's rate (and delay, with netem)."""
+    def _make_cgroups(self) -> None:
+        """A group per host in each controller the spec needs; a host with a CPU share
+        gets its quota (cgroups.quota_us), the others none (-1: unlimited)."""
         spec = self.spec
-        if spec.bandwidth is None and spec.latency is None:
+        for controller in spec.controllers:
+            cgroups.create(self.cgroup(controller))
+            for host in range(spec.hosts):
+                settings = {}
+                if controller == "cpu" and host in spec.cpu_share:
+                    settings = {"cpu.cfs_period_us": cgroups.PERIOD_US,
+                                "cpu.cfs_quota_us": cgroups.quota_us(
+                                    spec.cpu_share[host], spec.ranks_per_host[host],
+                                    spec.world_size)}
+                cgroups.create(self.cgroup(controller, host), settings)
+
+    def _shape(self, namespace: str, device: str, rate: Optional[str]) -> None:
+        """Limit what leaves `device` to `rate` (and delay, with netem)."""
+        spec = self.spec
+        if rate is None and spec.latency is None:
             return
         if spec.latency is not None:
-            rate = f" rate {spec.bandwidth}" if spec.bandwidth else ""
+            rate = f" rate {rate}" if rate else ""
             done = _run(["ip", "netns", "exec", namespace, "tc", "qdisc", "add", "dev", device,
                          "root", "netem", "delay", spec.latency, *rate.split(),
                          "limit", "100000"], check=False)
@@ -209,8 +319,8 @@ class Network:
                                    f"does not have ({done.stderr.strip()}); use --bandwidth "
                                    "alone")
             return
-        burst = bucket_bytes(rate_bits(spec.bandwidth) // 8)
-        _in(namespace, f"tc qdisc add dev {device} root tbf rate {spec.bandwidth} "
+        burst = bucket_bytes(rate_bits(rate) // 8)
+        _in(namespace, f"tc qdisc add dev {device} root tbf rate {rate} "
                        f"burst {burst} latency 100ms")
 
     def _name_host(self, host: int) -> None:
@@ -231,9 +341,11 @@ class Network:
     def _save_state(self) -> None:
         with open(os.path.join(self.state_dir, "state.json"), "w") as state:
             json.dump({"run": self.run, "owner": self.owner, "spec": asdict(self.spec),
+                       "cgroups": self.all_cgroups,
                        "hosts": {self.spec.hostname(h): {"netns": self.netns(h),
                                                          "uts": self.uts_file(h),
-                                                         "address": self.spec.address(h)}
+                                                         "address": self.spec.address(h),
+                                                         "cgroups": self.host_cgroups(h)}
                                  for h in range(self.spec.hosts)}}, state)
 
     # --- while it runs ----------------------------------------------------------------------
@@ -248,17 +360,29 @@ class Network:
                     f"/sys/class/net/{IFACE}/statistics/rx_bytes"]).stdout.split()
         return {"sent": int(out[0]), "received": int(out[1])}
 
+    def freeze(self, host: int) -> bool:
+        """Stop every process on `host` (needs a spec with pauses); True once frozen."""
+        return cgroups.freeze(self.cgroup("freezer", host))
+
+    def thaw(self, host: int) -> None:
+        """Let every process on `host` go on where it stopped."""
+        cgroups.thaw(self.cgroup("freezer", host))
+
     # --- tearing it down --------------------------------------------------------------------
     def kill_processes(self) -> None:
         """Kill every process still running on a host: what a job's ranks left behind
-        (`cmd &` outlives its shell) may hold their output pipes open."""
+        (`cmd &` outlives its shell) may hold their output pipes open. Frozen hosts are
+        thawed first: SIGKILL reaches a frozen process only once it is thawed."""
+        cgroups.thaw_all(self.all_cgroups)
         _kill_processes(self.namespaces)
 
     def remove(self) -> None:
-        """Kill what still runs on the hosts, then delete every namespace, link and file."""
+        """Kill what still runs on the hosts, then delete every namespace, link, group
+        and file."""
         _remove_run(self.run, self.namespaces,
                     [self.uts_file(h) for h in range(self.spec.hosts)],
-                    [self.etc_dir(h) for h in range(self.spec.hosts)], self.state_dir)
+                    [self.etc_dir(h) for h in range(self.spec.hosts)], self.state_dir,
+                    self.all_cgroups)
 
     def __enter__(self) -> "Network":
         return self.build()
@@ -287,9 +411,21 @@ def _kill_processes(namespaces: List[str]) -> None:
         time.sleep(0.05)  # let them exit before looking again
 
 
+def check_cgroups(spec: ClusterSpec) -> None:
+    """Raise ClusterError unless every cgroup controller `spec` needs is here."""
+    options = {"cpu": "--cpu-share", "freezer": "--pause"}
+    for controller in spec.controllers:
+        try:
+            cgroups.check_controller(controller, options[controller])
+        except cgroups.CgroupError as error:
+            raise ClusterError(str(error)) from None
+
+
 def _remove_run(run: str, namespaces: List[str], uts_files: List[str], etc_dirs: List[str],
-                state_dir: str) -> None:
+                state_dir: str, groups: Sequence[str] = ()) -> None:
+    cgroups.thaw_all(groups)     # a frozen process cannot die: thaw before killing
     _kill_processes(namespaces)  # every process still inside a host dies first
+    cgroups.remove(groups)       # and every one still in a host's groups
     existing = set(_list_netns())
     for namespace in namespaces:
         if namespace in existing:
@@ -334,7 +470,8 @@ def remove_leftovers() -> List[str]:
         hosts = state["hosts"].values() if state else []
         _remove_run(run, [h["netns"] for h in hosts] + [f"{run}-switch"],
                     [h["uts"] for h in hosts],
-                    [os.path.join("/etc/netns", h["netns"]) for h in hosts], folder)
+                    [os.path.join("/etc/netns", h["netns"]) for h in hosts], folder,
+                    cgroups.leftover_groups([run]))
         removed.append(run)
     for namespace in _list_netns():
         run = namespace.split("-")[0]
@@ -343,6 +480,15 @@ def remove_leftovers() -> List[str]:
                         os.path.join(STATE_ROOT, run))
             if run not in removed:
                 removed.append(run)
+    for controller in ("cpu", "freezer"):  # groups of runs killed before their folder
+        root = cgroups.controller_dir(controller)
+        runs = os.listdir(root) if os.path.isdir(root) else []
+        for run in runs:
+            if _RUN_NAME.match(run) and run not in live:
+                _remove_run(run, [], [], [], os.path.join(STATE_ROOT, run),
+                            cgroups.leftover_groups([run]))
+                if run not in removed:
+                    removed.append(run)
     return removed
 
 

@@ -108,17 +108,19 @@ class Slurm:
         return {"SLURM_CONF": self.conf}
 
     def daemon_argv(self, host: int, argv: List[str]) -> List[str]:
-        """`argv` run on `host`: its network and hostname, its own /sys with the
-        machine's cgroups, its /etc/hosts (see the module's notes)."""
+        """`argv` run on `host`: in the host's cgroups (the tasks a slurmd starts
+        inherit them), its network and hostname, its own /sys with the machine's
+        cgroups, its /etc/hosts (see the module's notes)."""
         network = self.network
         cgroups = os.path.join(self.folder, f"cgroup.{network.spec.hostname(host)}")
         hosts = os.path.join(network.etc_dir(host), "hosts")
         script = (f"mkdir -p {cgroups} && mount --rbind /sys/fs/cgroup {cgroups} "
                   f"&& mount -t sysfs sysfs /sys && mount --move {cgroups} /sys/fs/cgroup "
                   f"&& mount --bind {hosts} /etc/hosts && exec \"$@\"")
-        return ["nsenter", f"--net=/run/netns/{network.netns(host)}",
-                f"--uts={network.uts_file(host)}", "unshare", "--mount",
-                "--propagation", "private", "sh", "-ec", script, "sh", *argv]
+        return network.join_cgroups(host) + [
+            "nsenter", f"--net=/run/netns/{network.netns(host)}",
+            f"--uts={network.uts_file(host)}", "unshare", "--mount",
+            "--propagation", "private", "sh", "-ec", script, "sh", *argv]
 
     def start(self) -> "Slurm":
         """Write the configuration and a munge key, start munged, the controller and

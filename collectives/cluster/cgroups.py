@@ -1,0 +1,245 @@
+"""Hosts that are not alike in compute: a CPU share per host, and pauses.
+
+On one machine every emulated host computes on the same cores. To make one host slower,
+or stop it for a while (a host that swaps, a garbage-collection pause, a VM migrated),
+its processes go into control groups of their own, one per host in each controller
+used (cgroup v1, mounted at /sys/fs/cgroup/<controller>):
+
+    /sys/fs/cgroup/cpu/<run>/node1       cpu.cfs_quota_us: the host's CPU time per period
+    /sys/fs/cgroup/freezer/<run>/node1   freezer.state: FROZEN stops every process, THAWED
+                                         lets them go on where they stopped
+
+A CPU share FRACTION is FRACTION of the host's fair share of this machine's cores, the
+share it gets when every rank of the job is busy:
+
+    quota = FRACTION * cores * (ranks on the host / world size) * period
+
+On a machine where the ranks do not oversubscribe the cores, that is FRACTION of the
+cores the host's ranks would use (2 hosts x 1 rank on 2 cores, FRACTION 0.25: a
+quarter of one core). The kernel enforces it per period of 100 ms: the host's processes
+run until the quota is spent, then wait for the next period.
+
+A process joins a host's groups by writing its own pid into each group's cgroup.procs;
+its children inherit them. So every command that enters a host first does that, then
+execs (`join_argv`): the ranks, an mpirun's proxies (rsh.py, `join`), Slurm's daemons,
+and through them every task they start.
+
+A frozen process cannot be killed: SIGKILL waits until it is thawed. So clean-up thaws
+first, kills what is left in the groups, and only then removes them (rmdir of a group
+needs it empty).
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+PERIOD_US = 100_000          # cpu.cfs_period_us: the quota is granted per 100 ms
+MIN_QUOTA_US = 1_000         # the kernel's smallest quota (1 ms per period)
+FREEZE_SECONDS = 10.0        # until freezer.state reads FROZEN
+KILL_ROUNDS = 20             # passes of "kill every process in the group"
+
+
+class CgroupError(RuntimeError):
+    """A controller is missing or a group cannot be made; one line says why."""
+
+
+def controller_dir(controller: str) -> str:
+    return os.path.join(CGROUP_ROOT, controller)
+
+
+def check_controller(controller: str, option: str) -> None:
+    """Raise CgroupError unless cgroup v1's `controller` is mounted and writable."""
+    root = controller_dir(controller)
+    if not os.path.exists(os.path.join(root, "cgroup.procs")):
+        raise CgroupError(f"{option} needs cgroup v1's {controller} controller at {root}, "
+                          "which this machine does not have mounted")
+    if not os.access(root, os.W_OK):
+        raise CgroupError(f"{option} needs root to create groups in {root}")
+
+
+def quota_us(fraction: float, ranks_on_host: int, world_size: int,
+             cores: Optional[int] = None) -> int:
+    """cpu.cfs_quota_us giving a host `fraction` of its fair share of the cores."""
+    cores = cores or os.cpu_count() or 1
+    return max(MIN_QUOTA_US, round(fraction * cores * ranks_on_host / world_size * PERIOD_US))
+
+
+def create(path: str, settings: Optional[dict] = None) -> None:
+    """Make the group `path` (its parent must exist) and write each setting's file."""
+    try:
+        os.mkdir(path)
+    except OSError as error:
+        raise CgroupError(f"cannot create the group {path}: {error.strerror}") from None
+    for name, value in (settings or {}).items():
+        _write(os.path.join(path, name), value)
+
+
+def join_argv(groups: Sequence[str]) -> List[str]:
+    """An argv prefix: a shell that moves itself into `groups`, then execs the rest."""
+    if not groups:
+        return []
+    moves = "; ".join(f"echo $$ > {group}/cgroup.procs" for group in groups)
+    return ["sh", "-ec", f'{moves}; exec "$@"', "sh"]
+
+
+def join(groups: Sequence[str], through_pid: Optional[int] = None) -> None:
+    """Move this process into `groups`. Inside a host (where `ip netns exec` mounted a
+    /sys of its own, hiding /sys/fs/cgroup) the groups are reached through another
+    process's view of the files: /proc/<through_pid>/root/sys/fs/cgroup/..."""
+    for group in groups:
+        if not os.path.isdir(group) and through_pid is not None:
+            group = f"/proc/{through_pid}/root{group}"
+        _write(os.path.join(group, "cgroup.procs"), str(os.getpid()))
+
+
+def freeze(group: str, wait: float = FREEZE_SECONDS) -> bool:
+    """Stop every process of freezer group `group`; True once the kernel says FROZEN
+    (it reads FREEZING while a process is in the middle of a system call)."""
+    _write(os.path.join(group, "freezer.state"), "FROZEN")
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        if _read(os.path.join(group, "freezer.state")) == "FROZEN":
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def thaw(group: str) -> None:
+    """Let every process of freezer group `group` go on (nothing if it is gone)."""
+    state = os.path.join(group, "freezer.state")
+    if os.path.exists(state):
+        _write(state, "THAWED")
+
+
+def thaw_all(groups: Sequence[str]) -> None:
+    """Thaw every freezer group of `groups` that can be: clean-up goes on regardless."""
+    for group in groups:
+        try:
+            thaw(group)
+        except CgroupError:
+            pass
+
+
+def remove(groups: Sequence[str]) -> None:
+    """Thaw, empty and remove `groups` (deepest first; missing ones are skipped)."""
+    thaw_all(groups)
+    for group in sorted(groups, key=len, reverse=True):
+        if not os.path.isdir(group):
+            continue
+        _kill_members(group)
+        for _ in range(KILL_ROUNDS):  # a killed process leaves its group when it exits
+            try:
+                os.rmdir(group)
+                break
+            except FileNotFoundError:
+                break
+            except OSError:
+                time.sleep(0.05)
+
+
+def leftover_groups(run_names) -> List[str]:
+    """Every group under a run folder of these names, in every controller, sub-groups
+    first: what a killed run left behind."""
+    found = []
+    for controller in ("cpu", "freezer"):
+        for run in run_names:
+            folder = os.path.join(controller_dir(controller), run)
+            if os.path.isdir(folder):
+                found += [os.path.join(folder, name) for name in sorted(os.listdir(folder))
+                          if os.path.isdir(os.path.join(folder, name))] + [folder]
+    return found
+
+
+def _kill_members(group: str) -> None:
+    """SIGKILL every process in `group`, pass after pass until none is left."""
+    for _ in range(KILL_ROUNDS):
+        try:
+            pids = _read(os.path.join(group, "cgroup.procs")).split()
+        except OSError:
+            return
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        time.sleep(0.05)
+
+
+def _write(path: str, value) -> None:
+    try:
+        with open(path, "w") as file:
+            file.write(str(value))
+    except OSError as error:
+        raise CgroupError(f"cannot write {value} to {path}: {error.strerror}") from None
+
+
+def _read(path: str) -> str:
+    with open(path) as file:
+        return file.read().strip()
+
+
+class PauseSchedule:
+    """Freezes hosts and thaws them on time, on a daemon thread: each pause is
+    (host, seconds after start(), duration). stop() ends the schedule early and thaws
+    every host it froze, so a job that ends first never leaves a host frozen."""
+
+    def __init__(self, network, pauses):
+        self.network = network
+        events = [(p.at, 1, "freeze", p.host) for p in pauses] + \
+                 [(p.at + p.seconds, 0, "thaw", p.host) for p in pauses]
+        self.events = sorted(events)  # at one time, thaw (0) before freeze (1)
+        self.frozen = set()
+        self.stopped = threading.Event()
+        self.lock = threading.Lock()  # one freeze or thaw at a time, stop() included
+        self.thread = threading.Thread(target=self._run, daemon=True, name="pauses")
+
+    def start(self) -> "PauseSchedule":
+        self.started = time.monotonic()
+        if self.events:
+            self.thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self._follow()
+        except CgroupError as error:  # the group went away: the run is being removed
+            _say(f"pauses stopped: {error}")
+
+    def _follow(self) -> None:
+        name = self.network.spec.hostname
+        for at, _, action, host in self.events:
+            if self.stopped.wait(max(0.0, self.started + at - time.monotonic())):
+                return
+            with self.lock:
+                if self.stopped.is_set():
+                    return
+                if action == "freeze":
+                    self.frozen.add(host)
+                    done = self.network.freeze(host)
+                    _say(f"{name(host)} paused at {time.monotonic() - self.started:.1f} s"
+                         + ("" if done else " (not all of its processes froze in time)"))
+                else:
+                    self.network.thaw(host)
+                    self.frozen.discard(host)
+                    _say(f"{name(host)} resumed at {time.monotonic() - self.started:.1f} s")
+
+    def stop(self) -> None:
+        """End the schedule and thaw every host it has frozen."""
+        self.stopped.set()
+        with self.lock:
+            for host in sorted(self.frozen):
+                self.network.thaw(host)
+            self.frozen.clear()
+        if self.thread.is_alive():
+            self.thread.join(FREEZE_SECONDS + 1)
+
+
+def _say(line: str) -> None:
+    print(f"collectives.cluster: {line}", file=sys.stderr, flush=True)
