@@ -77,6 +77,38 @@ def check_ddp(comm, device, backend, hasher):
         hasher.update(actual[name].cpu().numpy().tobytes())
 
 
+def check_model_averaging(comm, device, hasher):
+    """The strategies that average models on the GPU: diloco (plain, and streaming with a
+    fragment in flight on its background thread) and hier-local-sgd, 4 steps each.
+    Plain diloco and hier-local-sgd end on a step where every parameter was just
+    synchronized: every rank then holds the same model, on the GPU."""
+    from collectives import sync
+    settings = [("diloco", {"period": 2}), ("diloco", {"period": 4, "fragments": 2,
+                                                       "delay": 1}),
+                ("hier-local-sgd", {"period": 2})]
+    for name, options in settings:
+        synced_at_the_end = options.get("fragments", 1) == 1
+        strategy = sync.create(name, **options)
+        model = collectives.DistributedDataParallel(make_model("resnet18").to(device),
+                                                    sync=strategy, comm=comm)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        for step in range(1, 5):
+            x, y = batch("resnet18", comm.rank, comm.world_size, step)
+            optimizer.zero_grad()
+            F.cross_entropy(model(x.to(device)), y.to(device)).backward()
+            strategy.after_backward(model.module)
+            optimizer.step()
+            strategy.after_step(model.module, step)
+        strategy.close()
+        parameters = torch.cat([p.detach().reshape(-1) for p in model.module.parameters()])
+        assert parameters.device == device and bool(torch.isfinite(parameters).all()), name
+        if synced_at_the_end:
+            rank0s = parameters.clone()
+            collectives.broadcast(rank0s, src=0, comm=comm)
+            assert torch.equal(rank0s, parameters), (name, options, "replicas differ")
+        hasher.update(parameters.cpu().numpy().tobytes())
+
+
 def main(backend):
     torch.set_num_threads(1)
     torch.backends.cudnn.deterministic = True  # so the two DDPs compute the same gradients
@@ -93,6 +125,8 @@ def main(backend):
     hasher.update(repr(sorted(digests.items())).encode())
     check_others(comm, device, hasher)
     check_ddp(comm, device, backend, hasher)
+    if comm.world_size > 1:
+        check_model_averaging(comm, device, hasher)
     print(f"ok {comm.rank} {hasher.hexdigest()[:12]}", flush=True)
     if backend == "nccl":
         comm.close()
