@@ -34,6 +34,7 @@ are read from, and waiting for their end of file would wait for it.
 from __future__ import annotations
 
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -77,25 +78,48 @@ def placement(ranks_per_host: Sequence[int]) -> List[tuple]:
 
 
 class _Prefixer(threading.Thread):
-    """Copies a rank's output to ours, with its name at the start of every line."""
+    """Copies a rank's output to ours, with its name at the start of every line.
+
+    Only whole lines go out (ended by \\n, or \\r as a progress bar ends its updates),
+    each in one write under a lock shared by every pump: a line one rank writes in two
+    pieces is never cut by another rank's line. A line left unfinished for PARTIAL_WAIT
+    seconds (a prompt, a bar that has not redrawn) goes out as it is."""
+
+    PARTIAL_WAIT = 0.2
+    _writing = threading.Lock()  # one line at a time onto our stdout and stderr
 
     def __init__(self, source, target, prefix: str):
         super().__init__(daemon=True)
         self.source, self.target, self.prefix = source, target, prefix.encode()
+        self.at_line_start = True
 
     def run(self) -> None:
-        at_line_start = True
         fd = self.source.fileno()
+        pending = b""  # the start of a line whose end has not come yet
         while True:
+            ready, _, _ = select.select([fd], [], [], self.PARTIAL_WAIT if pending else None)
+            if not ready:  # nothing more for a while: show the line as far as it goes
+                self._write([pending])
+                pending = b""
+                continue
             chunk = os.read(fd, 65536)
             if not chunk:
+                if pending:
+                    self._write([pending])
                 return
-            out = bytearray()
-            for piece in chunk.splitlines(keepends=True):
-                if at_line_start:
-                    out += self.prefix
-                out += piece
-                at_line_start = piece.endswith(b"\n")
+            pieces = (pending + chunk).splitlines(keepends=True)
+            pending = b"" if pieces[-1].endswith((b"\n", b"\r")) else pieces.pop()
+            if pieces:
+                self._write(pieces)
+
+    def _write(self, pieces) -> None:
+        out = bytearray()
+        for piece in pieces:
+            if self.at_line_start:
+                out += self.prefix
+            out += piece
+            self.at_line_start = piece.endswith((b"\n", b"\r"))
+        with self._writing:
             self.target.write(bytes(out))
             self.target.flush()
 
