@@ -137,8 +137,8 @@ PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e
 # (linestyle, marker): ours solid with circles, torch's dashed with squares; a second row
 # of the same side in one family (ddp and ddp-collectives both pair with allreduce)
 # takes the next, and so on, round again past the last.
-OUR_STYLES = (("-", "o"), ("-.", "D"), ("-", "v"))
-PEER_STYLES = (("--", "s"), (":", "^"), ("--", "P"))
+OUR_STYLES = (("-", "o"), ("-.", "D"), ("-", "v"), ("-.", "*"), ("-", "X"), ("-.", "h"))
+PEER_STYLES = (("--", "s"), (":", "^"), ("--", "P"), (":", "<"), ("--", ">"), (":", "d"))
 
 
 def family(sync: str) -> str:
@@ -173,6 +173,7 @@ def draw(rows: List[Dict], target: float):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib import ticker
     figure, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(13, 4.8))
     lines = []
     for row, style in zip(rows, line_styles([row["sync"] for row in rows])):
@@ -192,6 +193,11 @@ def draw(rows: List[Dict], target: float):
     if positive:
         by_bytes.set_xscale("log")
         by_bytes.set_xlim(left=min(positive) / 1.5, right=max(positive) * 1.5)
+        # Ticks at 1, 2 and 5 of each decade, written plainly: matplotlib's own labels
+        # every minor tick of a short log range, and they run into one another.
+        by_bytes.xaxis.set_major_locator(ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        by_bytes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda value, _: f"{value:g}"))
+        by_bytes.xaxis.set_minor_formatter(ticker.NullFormatter())
     families = [family(row["sync"]) for row in rows]
     grouped = sorted(range(len(rows)), key=lambda i: families.index(families[i]))
     by_bytes.legend([lines[i] for i in grouped], [rows[i]["sync"] for i in grouped],
