@@ -300,6 +300,18 @@ def format_row(row: Dict) -> str:
     return text
 
 
+def links_text(slowest: float) -> str:
+    """The emulated cluster's links, for the header: one rate when they are alike;
+    where hosts differ (--link), the slowest and every host's, the link column being
+    the slowest link's."""
+    if not cluster.links_differ():
+        return f"links of {slowest * 8 / 1e6:g} Mbit/s each way"
+    hosts = ", ".join(f"node{host} {'unshaped' if rate is None else f'{rate * 8 / 1e6:g}'}"
+                      for host, rate in enumerate(cluster.link_rates_bytes()))
+    return (f"links differ, slowest link {slowest * 8 / 1e6:g} Mbit/s each way "
+            f"(Mbit/s: {hosts}); the link column is the slowest")
+
+
 def header(on_cluster: bool) -> str:
     names = (f"{'size(B)':>12} {'count':>11} {'type':>8} {'op':>14} {'algorithm':>16} "
              f"{'time(us)':>11} {'algbw':>7} {'busbw':>7} {'#wrong':>6}")
@@ -323,8 +335,8 @@ def run_benchmark(comm, args) -> List[Dict]:
         f"dtype {args.dtype}, ring segment {comm.segment_bytes // 1024} KiB")
     link = cluster.link_rate_bytes()
     if link is not None:
-        say(f"# emulated cluster: links of {link * 8 / 1e6:g} Mbit/s each way; nic = MB the "
-            "busiest host's NIC sent per call")
+        say(f"# emulated cluster: {links_text(link)}; nic = MB the busiest host's NIC sent "
+            "per call")
     if ("auto" in args.algorithms and "all_reduce" in args.ops and comm.backend != "nccl"
             and not algorithms.auto.measured(comm.world_size, comm.topology)):
         say(f"# auto: {comm.world_size} ranks on {len(comm.topology.hosts)} host(s) is beyond "

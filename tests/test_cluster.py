@@ -18,10 +18,10 @@ import time
 import pytest
 
 from collectives.cluster import ClusterError, ClusterSpec, Network, cgroups
-from collectives.cluster.__main__ import describe, parse
-from collectives.cluster.job import _cluster_env, start_mpirun, start_ranks
+from collectives.cluster.__main__ import _clean_up, describe, parse
+from collectives.cluster.job import Job, _cluster_env, start_mpirun, start_ranks
 from collectives.cluster.network import STATE_ROOT, TOOLS, Pause
-from collectives.cluster.slurm import PROGRAMS
+from collectives.cluster.slurm import PROGRAMS, slurm_conf
 from collectives.launch.mpirun import find_mpirun
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -494,22 +494,23 @@ os.write(1, f"{os.uname().nodename} {n} {time.process_time() - cpu}\\n".encode()
 @pytest.mark.timeout(60)
 def test_cpu_share_slows_that_host_down():
     """2 hosts x 1 rank, each counting loop iterations for 1.5 s (and the CPU time that
-    took); node1 gets a quarter of one core (on 2 cores: --cpu-share node1=0.25). Its
-    CPU time is capped by the kernel, whatever else runs; node0's is not: on a machine
-    busy with other work it got as little as 0.35 s, and then counted fewer than node1
-    (so the two counts are not compared directly). Compared with what node0's pace
-    gives a whole core in 1.5 s, node1 counted 0.03-0.33 of it in 10 runs."""
-    fraction = 0.25 * 2 / (os.cpu_count() or 1)  # of a fair share of 1/2 the cores
-    done = run_cli("--hosts", "2", "--no-prefix", "--cpu-share", f"node1={fraction:g}",
+    took); node1 gets a quarter of its fair share, a quarter of one core on 2 cores or
+    more (--cpu-share node1=0.25). Its CPU time is capped by the kernel, whatever else
+    runs; node0's is not: on a machine busy with other work it got as little as 0.35 s,
+    and then counted fewer than node1 (so the two counts are not compared directly).
+    Compared with what node0's pace gives a whole core in 1.5 s, node1 counted
+    0.03-0.33 of it in 10 runs."""
+    cores = cgroups.quota_us(0.25, 1, 2) / cgroups.PERIOD_US  # 0.25 on 2 cores or more
+    done = run_cli("--hosts", "2", "--no-prefix", "--cpu-share", "node1=0.25",
                    "--", sys.executable, "-S", "-c", SPIN, timeout=50)
     assert done.returncode == 0, done.stderr
     first = done.stderr.splitlines()[0]
     assert first.startswith("collectives.cluster: run cc") and (
-        f"node1 at {fraction:g} CPU share (0.25 cores)" in first), first
+        f"node1 at 0.25 CPU share ({cores:.3g} cores)" in first), first
     (count0, cpu0), (count1, cpu1) = [(int(lines[0][0]), float(lines[0][1])) for _, lines
                                       in sorted(rank_lines(done.stdout).items())]
     # the quota: 25 ms per 100 ms period, over at most 16 periods of the 1.5 s loop
-    assert cpu1 < 0.25 * 1.6 + 0.05, (cpu1, done.stdout)
+    assert cpu1 < cores * 1.6 + 0.05, (cpu1, done.stdout)
     whole_core = count0 / cpu0 * 1.5  # node0's pace, for 1.5 s of one core
     assert count1 < 0.6 * whole_core, (count1, whole_core, done.stdout)
     assert_left_nothing(first.split()[2].rstrip(":"))
@@ -518,28 +519,36 @@ def test_cpu_share_slows_that_host_down():
 TICKS = """
 import os, time
 ticks = [time.time()]
-while ticks[-1] < ticks[0] + 3.5:
+while ticks[-1] < ticks[0] + 7:
     time.sleep(0.05)
     ticks.append(time.time())
 gap = max(b - a for a, b in zip(ticks, ticks[1:]))
-os.write(1, f"{os.uname().nodename} {gap}\\n".encode())
+os.write(1, f"{os.uname().nodename} {gap} {ticks[0]}\\n".encode())
 """
 
 
 @pytest.mark.timeout(60)
 def test_pause_freezes_every_process_of_that_host_for_its_duration():
-    """node1 is frozen 1.5 s after the ranks start (well after they begin stamping),
-    for 1 s: its rank, stamping the time every 0.05 s for 3.5 s, sees one gap of about
-    1 s (measured 1.022-1.029 s); node0's rank goes on as before (0.050-0.053 s)."""
-    duration = 1.0
-    done = run_cli("--hosts", "2", "--no-prefix", "--pause", f"node1@1.5:{duration}", "--",
-                   sys.executable, "-S", "-c", TICKS, timeout=50)
+    """node1 is frozen 3 s after the ranks start, for 2 s: its rank, stamping the time
+    every 0.05 s for 7 s, sees one gap of about 2 s; node0's rank goes on as before
+    (gaps of 0.05 s; under load, longer, but far from the pause's). The freeze counts
+    from the ranks' start, not from their first stamp: on a loaded machine a rank may
+    only begin after the freeze (then it sees no gap), so node1's gap is asserted only
+    when its first stamp surely came first (3 s after the launcher was started, which
+    is before the ranks' start)."""
+    at, duration = 3.0, 2.0
+    launched = time.time()
+    done = run_cli("--hosts", "2", "--no-prefix", "--pause", f"node1@{at:g}:{duration:g}",
+                   "--", sys.executable, "-S", "-c", TICKS, timeout=50)
     assert done.returncode == 0, done.stderr
     first = done.stderr.splitlines()[0]
-    assert "node1 paused at 1.5s for 1s" in first, first
-    gaps = {host: float(lines[0][0]) for host, lines in rank_lines(done.stdout).items()}
-    assert gaps["node1"] >= 0.8 * duration, gaps
-    assert gaps["node0"] < 0.5, gaps
+    assert "node1 paused at 3s for 2s" in first, first
+    ranks = {host: (float(lines[0][0]), float(lines[0][1]))
+             for host, lines in rank_lines(done.stdout).items()}
+    (gap0, _), (gap1, first_tick1) = ranks["node0"], ranks["node1"]
+    if first_tick1 < launched + at:  # stamping before the freeze: it must see it
+        assert gap1 >= 0.8 * duration, ranks
+    assert gap0 < 0.5 * duration, ranks
     assert "node1 resumed at" in done.stderr, done.stderr
     assert_left_nothing(first.split()[2].rstrip(":"))
 
@@ -629,8 +638,10 @@ def test_cli_killed_while_a_host_is_frozen_leaves_its_cgroups_to_cleanup():
 def test_every_process_of_a_host_is_in_its_groups_however_it_started(launcher):
     """Ranks started by the launcher, by mpirun (its proxy reaches node1 through rsh.py),
     or by srun (through the slurmd of each host): each is in its own host's groups."""
-    show = ["sh", "-c", 'echo "$(hostname) $(grep -E ":(cpu|freezer):" /proc/self/cgroup '
-                        '| cut -d: -f3 | sort | tr "\\n" " ")"']
+    # a line of /proc/self/cgroup: ID:CONTROLLERS:PATH, the controllers a comma list
+    # ("4:cpu,cpuacct:/cc1f2e3d/node1", "7:freezer:/cc1f2e3d/node1")
+    show = ["sh", "-c", 'echo "$(hostname) $(grep -E ":([a-z_]+,)*(cpu|freezer)(,[a-z_]+)*:" '
+                        '/proc/self/cgroup | cut -d: -f3 | sort | tr "\\n" " ")"']
     missing = [program for program in PROGRAMS if shutil.which(program) is None]
     if launcher == "slurm" and missing:
         pytest.skip(f"--scheduler slurm needs {', '.join(missing)}")
@@ -661,6 +672,9 @@ def test_every_process_of_a_host_is_in_its_groups_however_it_started(launcher):
     (["--pause", "node1@nan:1"], "SECONDS must be 0 or more"),
     (["--pause", "node1@1"], "write HOST@SECONDS:DURATION"),
     (["--pause", "node1@1:5", "--pause", "node1@3:1"], "the pauses of node1 overlap"),
+    (["--pause", "node1@1:1e7"], "the pause must end by 1000000 s"),
+    (["--pause", "node1@1:inf"], "the pause must end by 1000000 s"),
+    (["--scheduler", "slurm", "--pause", "node1@0:70000"], "a pause lasts at most 65503 s"),
 ])
 def test_bad_host_options_are_usage_errors_before_anything_is_built(args, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -673,7 +687,7 @@ def test_the_first_line_names_every_host_that_differs():
     _, _, spec = parse(["--hosts", "4", "--bandwidth", "100mbit", "--cpu-share", "node3=0.5",
                         "--link", "1=10mbit", "--pause", "node2@5:10", "--", "true"])
     line = describe(Network(spec, run="cc000000"))
-    cores = 0.5 * (os.cpu_count() or 1) / 4
+    cores = 0.5 * min(1, cgroups.usable_cores() / 4)  # 0.25 on 2 cores, 0.5 on 4 or more
     assert line == (f"collectives.cluster: run cc000000: 4 hosts x 1 rank, 100mbit; node3 at "
                     f"0.5 CPU share ({cores:.3g} core{'s' * (cores != 1)}); node1 link 10mbit; "
                     "node2 paused at 5s for 10s")
@@ -695,3 +709,151 @@ def test_a_missing_cgroup_controller_is_one_line_before_anything_is_built(
     assert str(error.value).startswith(f"{option} needs cgroup v1's ")
     assert "\n" not in str(error.value)
     assert netns_names() == before and not os.path.exists(network.state_dir)
+
+
+@pytest.mark.parametrize("fraction,ranks,world,cores,expected", [
+    (0.5, 1, 4, 2, 0.25),     # 4 ranks on 2 cores: a rank's fair share is half a core
+    (0.25, 1, 2, 2, 0.25),    # a core per rank
+    (0.25, 1, 2, 64, 0.25),   # many cores: still a core per rank, not 0.25 x 32
+    (0.5, 3, 4, 2, 0.75),     # 3 ranks of half a core each, at half of it
+    (1, 2, 4, 64, 2.0),
+])
+def test_a_cpu_share_is_a_fraction_of_the_hosts_fair_share(fraction, ranks, world, cores,
+                                                           expected):
+    """quota = FRACTION x ranks on the host x min(1, cores / world size) cores."""
+    assert cgroups.quota_us(fraction, ranks, world, cores) == expected * cgroups.PERIOD_US
+
+
+def test_host_groups_weigh_as_many_ranks_as_they_hold(tmp_path, monkeypatch):
+    """The kernel splits the cores between groups: cpu.shares 1024 per rank, so a host
+    of 3 ranks weighs 3 of 1; the run's folder weighs them all."""
+    monkeypatch.setattr(cgroups, "CGROUP_ROOT", str(tmp_path))  # plain folders stand in
+    os.mkdir(tmp_path / "cpu")
+    network = Network(ClusterSpec((1, 3), cpu_share={0: 0.5}), run="cc000000")
+    network._make_cgroups()
+
+    def read(host, name):
+        with open(os.path.join(network.cgroup("cpu", host), name)) as file:
+            return int(file.read())
+    assert read(None, "cpu.shares") == 4 * 1024
+    assert (read(0, "cpu.shares"), read(1, "cpu.shares")) == (1024, 3 * 1024)
+    assert read(0, "cpu.cfs_quota_us") == cgroups.quota_us(0.5, 1, 4)
+    assert not os.path.exists(os.path.join(network.cgroup("cpu", 1), "cpu.cfs_quota_us"))
+
+
+def test_a_group_a_command_cannot_join_is_one_line_and_exit_2(tmp_path):
+    done = subprocess.run(cgroups.join_argv([str(tmp_path / "missing")]) + ["true"],
+                          capture_output=True, text=True)
+    assert done.returncode == 2
+    assert done.stderr == (f"collectives.cluster: error: cannot join the group "
+                           f"{tmp_path / 'missing'} (writing its cgroup.procs failed)\n")
+
+
+class RecordingHosts:
+    """Stands in for a Network under a PauseSchedule: records freezes and thaws, and
+    fails the way it is told to."""
+
+    def __init__(self, freeze_error=None, thaw_error=None):
+        self.spec = ClusterSpec((1, 1))
+        self.freeze_error, self.thaw_error = freeze_error, thaw_error
+        self.frozen, self.thawed = [], []
+
+    def freeze(self, host):
+        self.frozen.append(host)
+        if self.freeze_error:
+            raise self.freeze_error
+        return True
+
+    def thaw(self, host):
+        self.thawed.append(host)
+        if self.thaw_error:
+            raise self.thaw_error
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("error", [OSError("a read failed"), OverflowError("timeout"),
+                                   cgroups.CgroupError("the group is gone")])
+def test_the_pause_thread_thaws_what_it_froze_whatever_stops_it(error, monkeypatch):
+    """An error after a freeze (here: the freeze itself), with stderr closed too: the
+    thread ends, and the host it froze is thawed."""
+    stderr = open(os.devnull, "w")
+    stderr.close()
+    monkeypatch.setattr(sys, "stderr", stderr)  # writing to it raises ValueError
+    hosts = RecordingHosts(freeze_error=error)
+    schedule = cgroups.PauseSchedule(hosts, [Pause(1, 0.0, 600.0)]).start()
+    schedule.thread.join(10)
+    assert not schedule.thread.is_alive()
+    assert hosts.frozen == [1] and hosts.thawed == [1] and not schedule.frozen
+
+
+@pytest.mark.timeout(30)
+def test_stopping_the_pauses_never_raises_and_thaws_each_host(capsys):
+    hosts = RecordingHosts(thaw_error=cgroups.CgroupError("cannot write THAWED"))
+    schedule = cgroups.PauseSchedule(hosts, [Pause(0, 0.0, 600.0), Pause(1, 0.0, 600.0)])
+    schedule.start()
+    deadline = time.monotonic() + 10
+    while len(hosts.frozen) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    schedule.stop()
+    assert sorted(hosts.thawed) == [0, 1] and not schedule.frozen
+    assert not schedule.thread.is_alive()
+    assert "cannot thaw node0" in capsys.readouterr().err
+
+
+def test_every_clean_up_step_runs_though_one_before_it_fails(capsys):
+    done = []
+
+    def fail():
+        raise RuntimeError("cannot thaw")
+    assert not _clean_up([fail, lambda: done.append("kill"), fail,
+                          lambda: done.append("remove")])
+    assert done == ["kill", "remove"]
+    assert capsys.readouterr().err.count("collectives.cluster: error: clean-up: ") == 2
+    assert _clean_up([lambda: None])
+
+
+def test_the_job_says_it_ended_before_its_leftovers_are_killed():
+    """Job.wait(ended=...) runs `ended` (the launcher stops its pauses there) once the
+    job's processes are gone, before what they left on the hosts is thawed and killed."""
+    seen = []
+
+    class Hosts:
+        def kill_processes(self):
+            seen.append("leftovers killed")
+    job = Job([subprocess.Popen(["true"])], ["true"], prefix=False, network=Hosts())
+    assert job.wait(timeout=30, ended=lambda: seen.append("ended")) == 0
+    assert seen == ["ended", "leftovers killed"]
+
+
+def test_slurm_waits_for_a_paused_host_longer_than_its_longest_pause():
+    """A frozen host's slurmd is silent: SlurmdTimeout (after which Slurm marks the node
+    DOWN) and MessageTimeout are the longest pause + 30 s; 30 s and Slurm's own without."""
+    def timeouts(spec):
+        conf = slurm_conf(Network(spec, run="cc000000"), "/nowhere")
+        return [line for line in conf.splitlines() if "Timeout=" in line]
+    assert timeouts(ClusterSpec((1, 1))) == ["SlurmdTimeout=30"]
+    paused = ClusterSpec((1, 1), pauses=(Pause(1, 5.0, 10.0), Pause(0, 1.0, 44.5)))
+    assert timeouts(paused) == ["SlurmdTimeout=75", "MessageTimeout=75"]
+
+
+@pytest.mark.parametrize("spec,rate,links,differ", [
+    (ClusterSpec((1, 1), bandwidth="100mbit"), "100000000", "100000000,100000000", False),
+    (ClusterSpec((1, 1, 1), bandwidth="1gbit", link={1: "10mbit"}), "10000000",
+     "1000000000,10000000,1000000000", True),
+    (ClusterSpec((1, 1, 1), link={1: "10mbit"}), "10000000", "0,10000000,0", True),
+    (ClusterSpec((1, 1)), None, None, False),
+])
+def test_ranks_are_told_every_hosts_link_and_whether_they_differ(spec, rate, links, differ,
+                                                                   monkeypatch):
+    """COLLECTIVES_CLUSTER_RATE is the slowest link; COLLECTIVES_CLUSTER_LINKS each
+    host's (0: unshaped), so a report can tell a mixed cluster from an even one."""
+    from collectives import cluster
+    monkeypatch.delenv("COLLECTIVES_CLUSTER_RATE", raising=False)
+    monkeypatch.delenv("COLLECTIVES_CLUSTER_LINKS", raising=False)
+    env = _cluster_env(Network(spec, run="cc000000"))
+    assert (env.get("COLLECTIVES_CLUSTER_RATE"), env.get("COLLECTIVES_CLUSTER_LINKS")) == (
+        rate, links)
+    for name in ("COLLECTIVES_CLUSTER_RATE", "COLLECTIVES_CLUSTER_LINKS"):
+        if name in env:
+            monkeypatch.setenv(name, env[name])
+    assert cluster.links_differ() == spec.links_differ() == differ

@@ -190,6 +190,11 @@ def test_compare_passes_hosts_that_differ_on_to_the_cluster():
     for option in (["--cpu-share", "1=0.5"], ["--link", "1=10mbit"], ["--pause", "1@1:1"]):
         with pytest.raises(SystemExit):  # not without the emulated cluster
             compare.main(["--sync", "allreduce", "--launcher", "torchrun", *option])
+    for option in (["--cpu-share", "node1=2"], ["--link", "1=fast"], ["--pause", "1@x"],
+                   ["--cpu-share", "node5=0.5"], ["--pause", "1@1:5", "--pause", "1@2:1"]):
+        with pytest.raises(SystemExit) as stopped:  # checked as the cluster checks them:
+            compare.main(["--sync", "allreduce", "--hosts", "2", *option])  # before any job
+        assert stopped.value.code == 2
 
 
 def test_compare_writes_table_plot_and_every_jobs_epochs(tmp_path, monkeypatch):

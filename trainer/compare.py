@@ -41,18 +41,33 @@ import tempfile
 import time
 from typing import Dict, List
 
+from collectives.cluster.network import ClusterSpec
+from collectives.cluster.options import (as_given, cpu_share_arg, link_arg, pause_arg,
+                                         with_hosts_that_differ)
 from collectives.launch.mpirun import mpirun_command
 
 from . import torch_peers
 
 
-# Options of the emulated cluster that make one host differ, passed on as given.
+# Options of the emulated cluster that make one host differ, passed on as given, and
+# checked as the cluster checks them (a typo is one usage error here, not one per job).
 CLUSTER_HOST_OPTIONS = {
-    "--cpu-share": ("HOST=FRACTION", "the host gets FRACTION of its fair share of the cores"),
-    "--link": ("HOST=RATE", "the host's link runs at RATE, not --bandwidth"),
-    "--pause": ("HOST@SECONDS:DURATION", "the host is frozen for DURATION seconds, "
-                                         "SECONDS after the ranks start"),
+    "--cpu-share": ("HOST=FRACTION", cpu_share_arg,
+                    "the host gets FRACTION of its fair share of the cores"),
+    "--link": ("HOST=RATE", link_arg, "the host's link runs at RATE, not --bandwidth"),
+    "--pause": ("HOST@SECONDS:DURATION", pause_arg,
+                "the host is frozen for DURATION seconds, SECONDS after the ranks start"),
 }
+
+
+def check_cluster_hosts(args) -> None:
+    """ValueError unless the cluster would take the hosts that differ: each names a host
+    it has, once, and one host's pauses do not overlap."""
+    spec = ClusterSpec([args.ranks_per_host] * args.hosts)
+    values = {option: [parse(text) for text in getattr(args, option[2:].replace("-", "_"))
+                       or []]
+              for option, (_, parse, _) in CLUSTER_HOST_OPTIONS.items()}
+    with_hosts_that_differ(spec, values["--cpu-share"], values["--link"], values["--pause"])
 
 
 def parse_sync(entry: str):
@@ -230,8 +245,8 @@ def main(argv=None) -> int:
                         help="ranks on each emulated host (default 1)")
     parser.add_argument("--bandwidth", metavar="RATE",
                         help="each emulated link's rate, e.g. 100mbit (default unshaped)")
-    for option, (metavar, text) in CLUSTER_HOST_OPTIONS.items():
-        parser.add_argument(option, action="append", metavar=metavar,
+    for option, (metavar, parse, text) in CLUSTER_HOST_OPTIONS.items():
+        parser.add_argument(option, action="append", metavar=metavar, type=as_given(parse),
                             help=f"emulated cluster: {text} (repeatable)")
     parser.add_argument("--sync", required=True,
                         help="comma list of strategies, each NAME[:KEY=VALUE...]")
@@ -250,6 +265,10 @@ def main(argv=None) -> int:
         if not args.hosts or args.hosts < 1 or args.ranks_per_host < 1:
             parser.error("--launcher cluster needs --hosts N (and --ranks-per-host at least 1)")
         args.nproc = args.hosts * args.ranks_per_host
+        try:
+            check_cluster_hosts(args)
+        except ValueError as error:
+            parser.error(str(error))
     elif args.hosts or args.bandwidth or args.cpu_share or args.link or args.pause:
         parser.error(f"--hosts, --bandwidth, --cpu-share, --link and --pause are for the "
                      f"emulated cluster, not {args.launcher}")

@@ -14,39 +14,40 @@
 
 Hosts that are not alike (each option may be repeated, HOST is node1 or 1):
     --cpu-share HOST=FRACTION   the host gets FRACTION (0 < FRACTION <= 1) of its fair
-                                share of this machine's cores, the share it has when every
-                                rank is busy: FRACTION * cores * its ranks / world size.
-                                Where ranks do not oversubscribe the cores, that is
-                                FRACTION of the cores its ranks would use (cgroup v1 cpu).
+                                share of this machine's cores: a core per rank, or where
+                                the ranks outnumber the cores, cores / world size each;
+                                FRACTION * its ranks * min(1, cores / world size) cores
+                                (cgroup v1 cpu)
     --link HOST=RATE            the host's link runs at RATE both ways, not --bandwidth
     --pause HOST@SECONDS:DURATION  SECONDS after the ranks start, every process of the
-                                host is frozen for DURATION seconds (cgroup v1 freezer)
-The first line (stderr) says what the cluster is:
+                                host is frozen for DURATION seconds (cgroup v1 freezer);
+                                it ends by 1e6 s. Under --scheduler slurm, Slurm waits
+                                for a silent host the longest pause + 30 s
+The first line (stderr) says what the cluster is (here on 2 cores):
     collectives.cluster: run cc1f2e3d: 4 hosts x 1 rank, 100mbit; node3 at 0.5 CPU share
-    (0.25 cores, of 2); node1 link 10mbit; node2 paused at 5s for 10s
+    (0.25 cores); node1 link 10mbit; node2 paused at 5s for 10s
 
 The network exists only while the job runs: it is built before the first rank starts
 and removed when the job ends, fails, or is stopped by a signal: Ctrl-C (SIGINT), a
 closed terminal or dropped ssh session (SIGHUP), kill (SIGTERM). Exit status: the worst
 rank's; 128 + the signal's number when stopped by one (129, 130, 143), as a shell
 reports it; 2 when the cluster cannot be built here (one line says why: no root, a
-missing tool, Slurm not installed).
+missing tool, Slurm not installed), or when the job succeeded but a step of removing
+the cluster failed (one line each; every other step still runs).
 """
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import math
 import signal
 import sys
-from typing import List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence
 
 from ..launch import split_command
 from .cgroups import PERIOD_US, PauseSchedule, quota_us
 from .job import start_mpirun, start_on_login_node, start_ranks
-from .network import (ClusterError, ClusterSpec, Network, Pause, check_tools, rate_bits,
-                      remove_leftovers)
-from .slurm import Slurm, check_slurm
+from .network import ClusterError, ClusterSpec, Network, check_tools, remove_leftovers
+from .options import cpu_share_arg, link_arg, pause_arg, with_hosts_that_differ
+from .slurm import MAX_PAUSE, Slurm, check_slurm
 
 STOP_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
 
@@ -58,68 +59,6 @@ def _ranks_per_host(hosts: Optional[int], per_host: str) -> List[int]:
     if hosts is not None and hosts != len(counts):
         raise ValueError(f"--hosts {hosts} but --ranks-per-host lists {len(counts)} hosts")
     return counts
-
-
-def _split(text: str, sign: str, form: str) -> Tuple[str, str]:
-    host, found, value = text.partition(sign)
-    if not found or not host or not value:
-        raise argparse.ArgumentTypeError(f"{text!r}: write {form}")
-    return host, value
-
-
-def cpu_share_arg(text: str) -> Tuple[str, float]:
-    """--cpu-share HOST=FRACTION -> (HOST, FRACTION), 0 < FRACTION <= 1."""
-    host, value = _split(text, "=", "HOST=FRACTION, e.g. node1=0.5")
-    try:
-        fraction = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: FRACTION must be a number") from None
-    if not 0 < fraction <= 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: FRACTION must be in (0, 1]")
-    return host, fraction
-
-
-def link_arg(text: str) -> Tuple[str, str]:
-    """--link HOST=RATE -> (HOST, RATE), RATE in tc's units."""
-    host, rate = _split(text, "=", "HOST=RATE, e.g. node1=10mbit")
-    try:
-        rate_bits(rate)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
-    return host, rate
-
-
-def pause_arg(text: str) -> Tuple[str, float, float]:
-    """--pause HOST@SECONDS:DURATION -> (HOST, SECONDS, DURATION)."""
-    form = "HOST@SECONDS:DURATION, e.g. node1@5:10"
-    host, times = _split(text, "@", form)
-    at, duration = _split(times, ":", form)
-    try:
-        at, duration = float(at), float(duration)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: write {form}") from None
-    if not (0 <= at < math.inf and 0 < duration < math.inf):
-        raise argparse.ArgumentTypeError(f"{text!r}: SECONDS must be 0 or more and "
-                                         "DURATION more than 0")
-    return host, at, duration
-
-
-def _host(spec: ClusterSpec, option: str, name: str) -> int:
-    try:
-        return spec.host_index(name)
-    except ValueError as error:
-        raise ValueError(f"{option}: {error}") from None
-
-
-def _per_host(spec: ClusterSpec, option: str, entries) -> dict:
-    """{host index: value} from (HOST, value) pairs; a host named twice is an error."""
-    out = {}
-    for host, value in entries:
-        index = _host(spec, option, host)
-        if index in out:
-            raise ValueError(f"{option} names {spec.hostname(index)} twice")
-        out[index] = value
-    return out
 
 
 def describe(network: Network) -> str:
@@ -167,10 +106,10 @@ def parse(argv: Sequence[str]):
     parser.add_argument("--cpu-share", type=cpu_share_arg, action="append", default=[],
                         metavar="HOST=FRACTION",
                         help="HOST (node1, or 1) computes slower: it gets FRACTION (0 < "
-                             "FRACTION <= 1) of its fair share of this machine's cores, "
-                             "FRACTION x cores x its ranks / world size (where ranks do not "
-                             "oversubscribe the cores: FRACTION of the cores its ranks "
-                             "would use); cgroup v1's cpu controller. Repeatable")
+                             "FRACTION <= 1) of its fair share of this machine's cores (a "
+                             "core per rank, or cores / world size each where the ranks "
+                             "outnumber the cores): FRACTION x its ranks x min(1, cores / "
+                             "world size) cores; cgroup v1's cpu controller. Repeatable")
     parser.add_argument("--link", type=link_arg, action="append", default=[],
                         metavar="HOST=RATE",
                         help="HOST's link runs at RATE each way (tc's units: 10mbit), "
@@ -178,7 +117,9 @@ def parse(argv: Sequence[str]):
     parser.add_argument("--pause", type=pause_arg, action="append", default=[],
                         metavar="HOST@SECONDS:DURATION",
                         help="SECONDS after the ranks start, freeze every process of HOST "
-                             "for DURATION seconds (cgroup v1's freezer). Repeatable")
+                             "for DURATION seconds (cgroup v1's freezer); it must end by "
+                             "1e6 s. Under --scheduler slurm, Slurm then waits the longest "
+                             "pause + 30 s before it marks a silent host down. Repeatable")
     parser.add_argument("--launcher", choices=("ranks", "mpirun"), default="ranks",
                         help="ranks (default): start every rank with torchrun's variables; "
                              "mpirun: run COMMAND, an mpirun line, on node0 with ssh "
@@ -204,13 +145,14 @@ def parse(argv: Sequence[str]):
             raise ValueError(f"--hosts must be at least 1, got {args.hosts}")
         spec = ClusterSpec(_ranks_per_host(args.hosts, args.ranks_per_host),
                            args.bandwidth, args.latency)
-        spec = dataclasses.replace(
-            spec, link=_per_host(spec, "--link", args.link),
-            cpu_share=_per_host(spec, "--cpu-share", args.cpu_share),
-            pauses=tuple(Pause(_host(spec, "--pause", host), at, seconds)
-                         for host, at, seconds in args.pause))
+        spec = with_hosts_that_differ(spec, args.cpu_share, args.link, args.pause)
     except ValueError as error:
         parser.error(str(error))
+    longest = max((pause.seconds for pause in spec.pauses), default=0.0)
+    if args.scheduler == "slurm" and longest > MAX_PAUSE:
+        parser.error(f"--pause: under --scheduler slurm a pause lasts at most {MAX_PAUSE} s "
+                     f"(Slurm waits for a silent host at most {MAX_PAUSE + 30} s), got "
+                     f"{longest:g} s")
     return args, command, spec
 
 
@@ -242,6 +184,22 @@ def _fail(error: ClusterError) -> int:
     return 2
 
 
+def _clean_up(steps: Sequence[Callable[[], None]]) -> bool:
+    """Run every clean-up step, in order, even when one before it fails (that one's
+    error is one line on stderr); True if all succeeded."""
+    clean = True
+    for step in steps:
+        try:
+            step()
+        except Exception as error:
+            clean = False
+            try:
+                print(f"collectives.cluster: error: clean-up: {error}", file=sys.stderr)
+            except (OSError, ValueError):  # stderr gone: the next steps still run
+                pass
+    return clean
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args, command, spec = parse(sys.argv[1:] if argv is None else argv)
     try:
@@ -257,9 +215,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _fail(error)
         print(f"removed {len(removed)} run(s){': ' + ', '.join(removed) if removed else ''}")
         return 0
-    _on_stop_signals(_stop)
     network = Network(spec)
-    job = pauses = None
+    # Made before anything can fail or be stopped, so `finally` always stops it: a
+    # schedule left running could freeze a host while it is being torn down.
+    pauses = PauseSchedule(network, spec.pauses)
+    job = None
+    status = 2
+    _on_stop_signals(_stop)
     try:
         network.build()
         print(describe(network), file=sys.stderr, flush=True)
@@ -269,17 +231,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             job = start_mpirun(network, command)
         else:
             job = start_ranks(network, command, prefix=not args.no_prefix)
-        pauses = PauseSchedule(network, spec.pauses).start()  # counts from the ranks' start
-        return job.wait()
+        pauses.start()  # counts from the ranks' start
+        # The schedule stops as soon as the job's processes are gone, before what they
+        # left on the hosts is thawed and killed.
+        status = job.wait(ended=pauses.stop)
     except ClusterError as error:
-        return _fail(error)
+        status = _fail(error)
     finally:
         _on_stop_signals(_ignore)
-        if pauses is not None:
-            pauses.stop()  # thaws what it froze: a frozen process cannot be killed
-        if job is not None:
-            job.kill()
-        network.remove()
+        # The schedule first: it thaws what it froze, and a frozen process cannot die.
+        clean = _clean_up([pauses.stop] + ([job.kill] if job is not None else [])
+                          + [network.remove])
+    return status if clean or status != 0 else 2
 
 
 if __name__ == "__main__":

@@ -9,15 +9,22 @@ used (cgroup v1, mounted at /sys/fs/cgroup/<controller>):
     /sys/fs/cgroup/freezer/<run>/node1   freezer.state: FROZEN stops every process, THAWED
                                          lets them go on where they stopped
 
-A CPU share FRACTION is FRACTION of the host's fair share of this machine's cores, the
-share it gets when every rank of the job is busy:
+A CPU share FRACTION is FRACTION of the host's fair share of this machine's cores: what
+its ranks get when every rank of the job is busy and each can have a core of its own,
+or an equal part of the cores where the ranks outnumber them:
 
-    quota = FRACTION * cores * (ranks on the host / world size) * period
+    quota = FRACTION * ranks on the host * min(1, cores / world size) * period
 
-On a machine where the ranks do not oversubscribe the cores, that is FRACTION of the
-cores the host's ranks would use (2 hosts x 1 rank on 2 cores, FRACTION 0.25: a
-quarter of one core). The kernel enforces it per period of 100 ms: the host's processes
-run until the quota is spent, then wait for the next period.
+(cores: those this process may run on). 2 hosts x 1 rank on 2 cores or on 64,
+FRACTION 0.25: a quarter of one core; 4 hosts x 1 rank on 2 cores, FRACTION 0.5: each
+rank's fair share is half a core, and the host gets a quarter of one. The kernel
+enforces it per period of 100 ms: the host's processes run until the quota is spent,
+then wait for the next period.
+
+While every host's ranks are busy, the kernel also splits the cores between the
+groups, not the processes: each host's group weighs as many ranks as it holds
+(cpu.shares 1024 per rank, `cpu_shares`), so a host of 3 ranks is not held to the
+share of a host of 1.
 
 A process joins a host's groups by writing its own pid into each group's cgroup.procs;
 its children inherit them. So every command that enters a host first does that, then
@@ -40,6 +47,8 @@ from typing import List, Optional, Sequence
 CGROUP_ROOT = "/sys/fs/cgroup"
 PERIOD_US = 100_000          # cpu.cfs_period_us: the quota is granted per 100 ms
 MIN_QUOTA_US = 1_000         # the kernel's smallest quota (1 ms per period)
+SHARES_PER_RANK = 1024       # cpu.shares: the weight of one process in the root group
+MAX_SHARES = 262_144         # the kernel's largest cpu.shares
 FREEZE_SECONDS = 10.0        # until freezer.state reads FROZEN
 KILL_ROUNDS = 20             # passes of "kill every process in the group"
 
@@ -59,14 +68,33 @@ def check_controller(controller: str, option: str) -> None:
         raise CgroupError(f"{option} needs cgroup v1's {controller} controller at {root}, "
                           "which this machine does not have mounted")
     if not os.access(root, os.W_OK):
+        if os.geteuid() == 0:  # root, and still no: the cgroup tree is read-only here
+            raise CgroupError(f"{option} needs to create groups in {root}, which is "
+                              "mounted read-only on this machine")
         raise CgroupError(f"{option} needs root to create groups in {root}")
+
+
+def usable_cores() -> int:
+    """The cores this process (and so every rank it starts) may run on."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def quota_us(fraction: float, ranks_on_host: int, world_size: int,
              cores: Optional[int] = None) -> int:
-    """cpu.cfs_quota_us giving a host `fraction` of its fair share of the cores."""
-    cores = cores or os.cpu_count() or 1
-    return max(MIN_QUOTA_US, round(fraction * cores * ranks_on_host / world_size * PERIOD_US))
+    """cpu.cfs_quota_us giving a host `fraction` of its fair share of the cores: a core
+    per rank, or cores / world size per rank where the ranks outnumber the cores."""
+    cores = cores or usable_cores()
+    per_rank = min(1.0, cores / world_size)
+    return max(MIN_QUOTA_US, round(fraction * ranks_on_host * per_rank * PERIOD_US))
+
+
+def cpu_shares(ranks: int) -> int:
+    """cpu.shares of a group holding `ranks` busy ranks: 1024 (the kernel's weight of
+    one process) each, so groups split the cores by ranks, not one part per group."""
+    return min(MAX_SHARES, SHARES_PER_RANK * ranks)
 
 
 def create(path: str, settings: Optional[dict] = None) -> None:
@@ -80,11 +108,16 @@ def create(path: str, settings: Optional[dict] = None) -> None:
 
 
 def join_argv(groups: Sequence[str]) -> List[str]:
-    """An argv prefix: a shell that moves itself into `groups`, then execs the rest."""
+    """An argv prefix: a shell that moves itself into `groups`, then execs the rest.
+    A group it cannot join is one line on stderr and exit status 2, not a shell's
+    error about a redirection."""
     if not groups:
         return []
-    moves = "; ".join(f"echo $$ > {group}/cgroup.procs" for group in groups)
-    return ["sh", "-ec", f'{moves}; exec "$@"', "sh"]
+    moves = "; ".join(
+        f'{{ echo $$ > {group}/cgroup.procs; }} 2>/dev/null || {{ echo "collectives.cluster: '
+        f'error: cannot join the group {group} (writing its cgroup.procs failed)" >&2; '
+        f'exit 2; }}' for group in groups)
+    return ["sh", "-c", f'{moves}; exec "$@"', "sh"]
 
 
 def join(groups: Sequence[str], through_pid: Optional[int] = None) -> None:
@@ -188,7 +221,8 @@ def _read(path: str) -> str:
 class PauseSchedule:
     """Freezes hosts and thaws them on time, on a daemon thread: each pause is
     (host, seconds after start(), duration). stop() ends the schedule early and thaws
-    every host it froze, so a job that ends first never leaves a host frozen."""
+    every host it froze, so a job that ends first never leaves a host frozen; the
+    thread itself thaws them too if anything stops it (an error, a closed stderr)."""
 
     def __init__(self, network, pauses):
         self.network = network
@@ -211,6 +245,11 @@ class PauseSchedule:
             self._follow()
         except CgroupError as error:  # the group went away: the run is being removed
             _say(f"pauses stopped: {error}")
+        except Exception as error:  # whatever it was, no host may stay frozen for it
+            _say(f"pauses stopped: {type(error).__name__}: {error}")
+        finally:
+            with self.lock:
+                self._thaw_frozen()
 
     def _follow(self) -> None:
         name = self.network.spec.hostname
@@ -221,7 +260,7 @@ class PauseSchedule:
                 if self.stopped.is_set():
                     return
                 if action == "freeze":
-                    self.frozen.add(host)
+                    self.frozen.add(host)  # before freezing: a failed freeze is thawed too
                     done = self.network.freeze(host)
                     _say(f"{name(host)} paused at {time.monotonic() - self.started:.1f} s"
                          + ("" if done else " (not all of its processes froze in time)"))
@@ -230,16 +269,30 @@ class PauseSchedule:
                     self.frozen.discard(host)
                     _say(f"{name(host)} resumed at {time.monotonic() - self.started:.1f} s")
 
+    def _thaw_frozen(self) -> None:
+        """Thaw every host the schedule froze, each one whatever happens to another
+        (call with the lock held)."""
+        for host in sorted(self.frozen):
+            try:
+                self.network.thaw(host)
+            except Exception as error:
+                _say(f"cannot thaw {self.network.spec.hostname(host)}: {error}")
+            self.frozen.discard(host)
+
     def stop(self) -> None:
-        """End the schedule and thaw every host it has frozen."""
+        """End the schedule and thaw every host it has frozen. Never raises: it runs
+        in clean-up, which must go on."""
         self.stopped.set()
         with self.lock:
-            for host in sorted(self.frozen):
-                self.network.thaw(host)
-            self.frozen.clear()
+            self._thaw_frozen()
         if self.thread.is_alive():
             self.thread.join(FREEZE_SECONDS + 1)
 
 
 def _say(line: str) -> None:
-    print(f"collectives.cluster: {line}", file=sys.stderr, flush=True)
+    """One line on stderr; nothing if stderr is gone (a closed pipe, a closed file):
+    the pause thread must go on to thaw what it froze."""
+    try:
+        print(f"collectives.cluster: {line}", file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass

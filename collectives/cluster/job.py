@@ -22,7 +22,9 @@ Every way, every process also gets COLLECTIVES_CLUSTER_IFACE (its NIC, whose byt
 counters `collectives.cluster.link_bytes()` reads) and COLLECTIVES_CLUSTER_RATE (the
 link's bits per second), so benchmarks can report what really crossed the wire. Where
 hosts have links of their own rates (`--link`), it is the slowest link's, the same on
-every rank: ranks that size their messages by it must agree.
+every rank: ranks that size their messages by it must agree. COLLECTIVES_CLUSTER_LINKS
+then lists every host's rate in host order, 0 for a link left unshaped
+("100000000,10000000,100000000"), so a report can say the links are not alike.
 
 Output: each rank's lines are prefixed with `[rank R node H]: ` (as torchrun's --tee
 and --role do), and the job's exit status is the worst rank's.
@@ -39,9 +41,9 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
-from .network import IFACE, Network
+from .network import IFACE, Network, rate_bits
 
 MASTER_PORT = 29500  # node0's namespace is new: nothing else listens there
 DRAIN_SECONDS = 5.0  # once the job has ended, how long its output may take to be copied
@@ -58,8 +60,12 @@ def _cluster_env(network: Network) -> Dict[str, str]:
     env.setdefault("UCX_TLS", "sm,tcp,self")
     env["COLLECTIVES_CLUSTER_IFACE"] = IFACE
     env["GLOO_SOCKET_IFNAME"] = IFACE
-    if network.spec.slowest_rate():
-        env["COLLECTIVES_CLUSTER_RATE"] = str(network.spec.slowest_rate())
+    spec = network.spec
+    if spec.slowest_rate():
+        env["COLLECTIVES_CLUSTER_RATE"] = str(spec.slowest_rate())
+        env["COLLECTIVES_CLUSTER_LINKS"] = ",".join(
+            str(rate_bits(spec.link_rate(h)) if spec.link_rate(h) else 0)
+            for h in range(spec.hosts))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "MASTER_ADDR", "MASTER_PORT", "PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK",
                  "OMPI_COMM_WORLD_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "PMIX_RANK"):
@@ -139,14 +145,19 @@ class Job:
                     pump.start()
                     self.pumps.append(pump)
 
-    def wait(self, timeout: Optional[float] = None) -> int:
+    def wait(self, timeout: Optional[float] = None,
+             ended: Optional[Callable[[], None]] = None) -> int:
         """Wait until every process of the job has ended (at most `timeout` seconds in
-        all: subprocess.TimeoutExpired after that), end what they left behind, and
-        return the worst exit status."""
+        all: subprocess.TimeoutExpired after that), call `ended` (the job's processes
+        are gone, what they left behind still runs: the place to stop whatever acts on
+        the hosts, such as a pause schedule), end what they left behind, and return
+        the worst exit status."""
         deadline = None if timeout is None else time.monotonic() + timeout
         codes = [process.wait(None if deadline is None else
                               max(0.0, deadline - time.monotonic()))
                  for process in self.processes]
+        if ended is not None:
+            ended()
         self._end_leftovers()
         return worst_status(codes)
 

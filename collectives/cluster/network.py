@@ -37,7 +37,6 @@ parallel, never collide. Everything a run creates is listed in its state folder
 from __future__ import annotations
 
 import json
-import math
 import os
 import re
 import secrets
@@ -63,6 +62,7 @@ TOOLS = {"ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux",
          "unshare": "util-linux", "umount": "mount", "hostname": "hostname",
          "sh": "dash", "cat": "coreutils"}
 KILL_ROUNDS = 20           # passes of "kill every process on the hosts" until none is left
+LATEST_PAUSE_END = 1e6     # seconds after the start by which every pause has ended (11 days)
 _RUN_NAME = re.compile(r"^cc[0-9a-f]{6}$")
 
 
@@ -135,10 +135,12 @@ class ClusterSpec:
                                  f"got {fraction:g}")
         for pause in self.pauses:
             self._check_host(pause.host)
-            if not (0 <= pause.at < math.inf and 0 < pause.seconds < math.inf):
+            if not (0 <= pause.at and 0 < pause.seconds
+                    and pause.at + pause.seconds <= LATEST_PAUSE_END):
                 raise ValueError(f"a pause of {self.hostname(pause.host)} starts at 0 s or "
-                                 f"later and lasts a finite time above 0 s, got "
-                                 f"{pause.at:g} s for {pause.seconds:g} s")
+                                 f"later, lasts more than 0 s and ends by "
+                                 f"{LATEST_PAUSE_END:.0f} s, got {pause.at:g} s for "
+                                 f"{pause.seconds:g} s")
         for first, second in zip(sorted(self.pauses), sorted(self.pauses)[1:]):
             if first.host == second.host and second.at < first.at + first.seconds:
                 raise ValueError(f"the pauses of {self.hostname(first.host)} overlap")
@@ -179,6 +181,12 @@ class ClusterSpec:
         """Bits per second of the slowest shaped link (None: no link is shaped)."""
         rates = [rate_bits(r) for r in map(self.link_rate, range(self.hosts)) if r]
         return min(rates) if rates else None
+
+    def links_differ(self) -> bool:
+        """Whether the hosts' links are not all alike (a --link of its own, or some
+        shaped and some not)."""
+        return len({self.link_rate(h) and rate_bits(self.link_rate(h))
+                    for h in range(self.hosts)}) > 1
 
     @property
     def controllers(self) -> List[str]:
@@ -290,18 +298,23 @@ class Network:
             self._name_host(host)
 
     def _make_cgroups(self) -> None:
-        """A group per host in each controller the spec needs; a host with a CPU share
-        gets its quota (cgroups.quota_us), the others none (-1: unlimited)."""
+        """A group per host in each controller the spec needs. In cpu, each group weighs
+        as many ranks as it holds (cgroups.cpu_shares: the kernel splits the cores per
+        group), the run's folder all of them; a host with a CPU share gets its quota
+        (cgroups.quota_us), the others none (-1: unlimited)."""
         spec = self.spec
         for controller in spec.controllers:
-            cgroups.create(self.cgroup(controller))
+            cpu = controller == "cpu"
+            cgroups.create(self.cgroup(controller),
+                           {"cpu.shares": cgroups.cpu_shares(spec.world_size)} if cpu else {})
             for host in range(spec.hosts):
                 settings = {}
-                if controller == "cpu" and host in spec.cpu_share:
-                    settings = {"cpu.cfs_period_us": cgroups.PERIOD_US,
-                                "cpu.cfs_quota_us": cgroups.quota_us(
-                                    spec.cpu_share[host], spec.ranks_per_host[host],
-                                    spec.world_size)}
+                if cpu:
+                    settings["cpu.shares"] = cgroups.cpu_shares(spec.ranks_per_host[host])
+                if cpu and host in spec.cpu_share:
+                    settings["cpu.cfs_period_us"] = cgroups.PERIOD_US
+                    settings["cpu.cfs_quota_us"] = cgroups.quota_us(
+                        spec.cpu_share[host], spec.ranks_per_host[host], spec.world_size)
                 cgroups.create(self.cgroup(controller, host), settings)
 
     def _shape(self, namespace: str, device: str, rate: Optional[str]) -> None:
@@ -339,7 +352,10 @@ class Network:
             hosts.write("\n".join(lines) + "\n")
 
     def _save_state(self) -> None:
-        with open(os.path.join(self.state_dir, "state.json"), "w") as state:
+        """Write state.json whole or not at all (a temporary file, then renamed): a
+        launcher killed while writing must not leave a folder --cleanup cannot read."""
+        path = os.path.join(self.state_dir, "state.json")
+        with open(path + ".tmp", "w") as state:
             json.dump({"run": self.run, "owner": self.owner, "spec": asdict(self.spec),
                        "cgroups": self.all_cgroups,
                        "hosts": {self.spec.hostname(h): {"netns": self.netns(h),
@@ -347,6 +363,7 @@ class Network:
                                                          "address": self.spec.address(h),
                                                          "cgroups": self.host_cgroups(h)}
                                  for h in range(self.spec.hosts)}}, state)
+        os.replace(path + ".tmp", path)
 
     # --- while it runs ----------------------------------------------------------------------
     def set_link(self, host: int, up: bool) -> None:
@@ -477,7 +494,7 @@ def remove_leftovers() -> List[str]:
         run = namespace.split("-")[0]
         if _RUN_NAME.match(run) and run not in live:
             _remove_run(run, [namespace], [], [os.path.join("/etc/netns", namespace)],
-                        os.path.join(STATE_ROOT, run))
+                        os.path.join(STATE_ROOT, run), cgroups.leftover_groups([run]))
             if run not in removed:
                 removed.append(run)
     for controller in ("cpu", "freezer"):  # groups of runs killed before their folder

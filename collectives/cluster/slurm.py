@@ -19,6 +19,12 @@ the commands at it, and munged listens on a socket there, so nothing of the mach
 own Slurm or munge is read or touched. The daemons run inside the hosts' namespaces
 and end with them: `Network.remove()` kills every process on the hosts.
 
+A host frozen by `--pause` answers nothing, its slurmd included, and Slurm marks a node
+that is silent for SlurmdTimeout DOWN and kills its jobs. With pauses, SlurmdTimeout
+and MessageTimeout are the longest pause plus 30 s (`timeout_seconds`; 30 s and
+Slurm's default without), and a pause longer than Slurm can wait (MAX_PAUSE) is a
+usage error.
+
 One detail decides whether slurmd starts at all. A host is entered with `ip netns exec`
 for everything else (job.py), which mounts a fresh /sys for the host's network, and so
 hides /sys/fs/cgroup, without which slurmd refuses to start ("No filesystem mounted on
@@ -30,6 +36,7 @@ that view: /sys/class/net/eth0 is their host's NIC.
 """
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import subprocess
@@ -42,6 +49,18 @@ from .network import ClusterError, Network
 PROGRAMS = {"slurmctld": "slurm-wlm", "slurmd": "slurm-wlm", "srun": "slurm-wlm",
             "sinfo": "slurm-wlm", "munged": "munge"}
 READY_SECONDS = 60.0  # until every slurmd has registered with the controller
+SLURMD_TIMEOUT = 30  # seconds a slurmd may be silent before the controller marks it DOWN
+MAX_TIMEOUT = 65533  # Slurm keeps its timeouts in 16 bits
+MAX_PAUSE = MAX_TIMEOUT - SLURMD_TIMEOUT  # the longest --pause a Slurm cluster can take
+
+
+def timeout_seconds(spec) -> int:
+    """SlurmdTimeout (and, with pauses, MessageTimeout) for `spec`: a frozen host's
+    slurmd answers nothing, and the controller marks a node silent for SlurmdTimeout
+    DOWN, killing its jobs. So a cluster with pauses waits the longest pause plus
+    SLURMD_TIMEOUT before it gives up on a node, or a message to it."""
+    longest = max((pause.seconds for pause in spec.pauses), default=0.0)
+    return SLURMD_TIMEOUT + math.ceil(longest)
 
 
 def check_slurm() -> None:
@@ -58,6 +77,7 @@ def slurm_conf(network: Network, folder: str) -> str:
     with as many CPUs as it has ranks or the machine has cores, whichever is more."""
     spec = network.spec
     cpus = os.cpu_count() or 1
+    timeout = timeout_seconds(spec)
     nodes = [f"NodeName={spec.hostname(h)} NodeAddr={spec.address(h)} "
              f"CPUs={max(cpus, count)} State=UNKNOWN"
              for h, count in enumerate(spec.ranks_per_host)]
@@ -84,7 +104,8 @@ def slurm_conf(network: Network, folder: str) -> str:
         "SelectTypeParameters=CR_CPU",
         "SlurmdParameters=config_overrides",   # trust CPUs= above, not the cores counted
         "ReturnToService=2",                   # a slurmd that comes back is usable again
-        "SlurmdTimeout=30",                    # a silent slurmd is marked down after this
+        f"SlurmdTimeout={timeout}",            # a silent slurmd is marked down after this
+        *([f"MessageTimeout={timeout}"] if spec.pauses else []),  # a frozen host's answer
         "MpiDefault=none",                     # Slurm's default; srun --mpi=pmi2 for MPICH
         *nodes,
         "PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP",
@@ -192,4 +213,4 @@ class Slurm:
         return f" (its log, {path}: {' | '.join(lines)})"
 
 
-__all__ = ["Slurm", "check_slurm", "slurm_conf"]
+__all__ = ["MAX_PAUSE", "Slurm", "check_slurm", "slurm_conf", "timeout_seconds"]

@@ -92,6 +92,11 @@ def run_calibrate(p, args) -> int:
         p.error(str(error))
     if info.world_size == 1 and (args.nproc or 1) == 1:
         p.error("calibrate needs 2 ranks or more: --nproc N, or start it under a launcher")
+    if cluster.links_differ():  # the model has one link rate: a fit would mix them up
+        if info.rank != 0:
+            sys.exit(2)  # rank 0 says why, once
+        p.error("calibrate fits one link rate, and this emulated cluster's links differ "
+                "(--link): run it with every link alike (--bandwidth alone)")
     if info.world_size > 1:
         calibration.rank_main(args)
         return 0
