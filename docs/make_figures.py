@@ -102,7 +102,7 @@ FIGURES_OF_THE_DOCS = [
            "python -m trainer.compare --hosts 4 --bandwidth 100mbit --cpu-share node3=0.5 "
            "--dataset mnist --data-dir ../shared/data --epochs 3 --stop-at 0.95 "
            "--out docs/data/study_20261125/cmp_straggler "
-           "--sync ddp,async-avg,allreduce,local-sgd:period=8"),
+           "--sync ddp,async-avg,allreduce,local-sgd:period=8,bf16,ddp-localsgd:period=8"),
     Figure("timeline.png", "timeline_trace.json", draw_timeline,
            f"{CLUSTER_100MBIT} python -m trainer.bench --sync ddp,allreduce,powersgd "
            "--steps 3 --rounds 1 --warmup 2 --trace run && "
