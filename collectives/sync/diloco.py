@@ -46,7 +46,7 @@ averaged), so a resumed run continues the same schedule.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List
 
 import torch
 
