@@ -328,6 +328,8 @@ BAD_FLAGS = [
                                              "torch.distributed"),
     (["--sync", "ddp-fp16", "--sync-option", "period=2"], "ddp-fp16 takes no option(s) period"),
     (["--trace", "t", "--trace-steps", "4:2"], "need 1 <= FIRST <= LAST"),
+    (["--shards", "dynamic"], "--shards dynamic: --sync allreduce meets every rank in a "
+                              "collective every step"),
     (["--local-rank", "-1"], "argument --local-rank: must be 0 or more, got -1"),
 ]
 

@@ -7,7 +7,8 @@ only checks whether a round has finished. If so, it moves its model to the round
 average while keeping what it learned since the round started
 (x <- x + (average - snapshot)), and starts the next round from a fresh snapshot. There
 is no per-step barrier: a slower rank does not stall the others, it only contributes
-to fewer rounds.
+to fewer rounds. Nor does it need the ranks to take the same number of steps: the
+trainer lets a faster rank train more of each epoch (`uneven_steps`, --shards dynamic).
 
 Stopping: every round carries a "still training" flag. A rank that finishes keeps
 joining rounds (flag 0) until a round shows someone stopped; every rank then stops
@@ -39,6 +40,7 @@ class AsyncAverage(SyncStrategy):
     uses_buckets = False
     forward_buffer_sync = False
     replicas_differ = True  # the model is the average of the replicas
+    uneven_steps = True     # no collective at a set step: a fast rank may take more steps
 
     def __init__(self, algorithm: str = "auto"):
         self.algorithm = algorithm

@@ -29,7 +29,9 @@ does; strategies that average buffers themselves, or must not wait for other ran
 every step, turn it off. `replicas_differ` says whether the ranks' models may differ
 after a step (local SGD between averagings, gossip, asynchronous averaging): the model
 such a run stands for, the one the trainer evaluates and checkpoints, is then the
-average of the replicas, not any one rank's.
+average of the replicas, not any one rank's. `uneven_steps` says whether the ranks may
+take different numbers of steps (async-avg: its rounds never wait at a set step), so
+that a faster rank can train more of each epoch.
 
 The training loop calls the moments in this order, every optimizer step:
     forward, backward (reduce_bucket for each bucket), after_backward, optimizer.step(),
@@ -76,6 +78,10 @@ class SyncStrategy:
     # False: every rank holds the same parameters after each step (gradients were
     # averaged). True: the replicas drift apart, and the run's model is their average.
     replicas_differ = False
+    # True: the ranks never meet in a collective at a set step (asynchronous rounds),
+    # so they may take different numbers of steps, and a fast rank may train more of
+    # an epoch than a slow one (the trainer's --shards dynamic).
+    uneven_steps = False
     period = 1
     warmup_steps = 0
     # True: the strategy keeps state per gradient bucket (topk's residuals), so the

@@ -117,6 +117,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="use only the first N test images (default: all; shapes: 512)")
     model.add_argument("--workers", type=non_negative_int, default=0,
                        help="DataLoader worker processes per rank (default: 0)")
+    model.add_argument("--shards", default="auto", choices=["auto", "static", "dynamic"],
+                       help="how each epoch is dealt to the ranks. static: equal shards "
+                            "(torch's DistributedSampler); dynamic: one step's images at a "
+                            "time to whichever rank asks, so a faster rank trains more of "
+                            "the epoch (only strategies whose ranks may take different "
+                            "numbers of steps: async-avg); auto (default): dynamic where "
+                            "the strategy allows it and there is more than one rank, "
+                            "else static")
 
     optim = p.add_argument_group("optimisation")
     optim.add_argument("--epochs", type=positive_int, default=3, help="epochs (default: 3)")
@@ -204,9 +212,14 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--dataset {args.dataset} needs --data-dir (the folder holding it)")
     args.sync_options = dict(args.sync_option)
     try:  # a strategy rejects unknown or bad options before anything runs
-        create_sync(args)
+        strategy = create_sync(args)
     except (TypeError, ValueError, RuntimeError) as error:  # RuntimeError: a missing extra
         parser.error(f"--sync {args.sync} --sync-option: {error}")
+    uneven = getattr(strategy, "uneven_steps", False)
+    if args.shards == "dynamic" and not uneven:
+        parser.error(f"--shards dynamic: --sync {args.sync} meets every rank in a collective "
+                     "every step (or every period), so every rank must take the same "
+                     "number of steps; use --shards static")
     if torch_peers.is_peer(args.sync) and args.backend == "mpi":
         parser.error(f"--sync {args.sync} is torch's DDP: it runs on torch.distributed "
                      "(--backend gloo or nccl), not on --backend mpi")

@@ -24,7 +24,9 @@
                             with the evaluated model
       finish                close the strategy, merge the trace, the last line
 
-DistributedSampler gives every rank a different shard (reshuffled by set_epoch), the
+DistributedSampler gives every rank a different shard (reshuffled by set_epoch); with
+--shards dynamic the ranks instead take the epoch one step's images at a time, so a
+faster rank trains more of it (dynamic_shards.py; async-avg only). The
 model trains with gradients synchronised by the chosen sync strategy, then every rank
 scores the same evaluated model on its own slice of the test split and the counts are
 summed. Evaluation works on a copy: it never changes what the next epoch trains.
@@ -59,6 +61,7 @@ from .. import torch_peers
 from ..timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 from . import checkpoint, data
 from .cli import create_sync, parse_args
+from .dynamic_shards import ClaimCounter, DynamicShards, progress_schedule
 from .progress import progress
 from .models import build_model
 
@@ -93,7 +96,7 @@ def train(argv=None) -> None:
     else:
         run.say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with "
                 f"{comm.world_size} rank(s), backend {comm.name}, sync {args.sync}, "
-                f"algorithm {args.algorithm}")
+                f"algorithm {args.algorithm}, shards {args.shards}")
         if run.strategy.replicas_differ:
             run.say(f"{args.sync} lets the ranks' models differ: each epoch evaluates (and "
                     "checkpoints) their average")
@@ -128,9 +131,11 @@ class Run:
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler   # fp16's loss scale; disabled (a no-op) otherwise
     schedule: Any                  # the learning rate over all steps of all epochs
-    sampler: DistributedSampler    # this rank's shard of the training split
+    sampler: Any                   # this rank's part of the training split: a
+                                   # DistributedSampler, or DynamicShards
     loader: DataLoader
     steps_per_epoch: int           # optimizer steps, each of --accum-steps micro-batches
+                                   # (dynamic shards: the average rank's)
     clock: WaitClock               # seconds the training thread waits on communication
     sent: SentBytes                # bytes this rank has sent
     step: int = 0                  # optimizer steps applied so far, over all epochs
@@ -167,7 +172,10 @@ CHECKPOINT_KEYS = ("model", "epoch", "step", "world_size", "test_acc", "ranks")
 RANK_KEYS = ("model", "optimizer", "scaler", "schedule", "strategy", "rng")
 # The flags a checkpoint's state belongs to: a resume with others fails (another
 # strategy would silently drop the saved one's state, another model would not load).
-STATE_FLAGS = ("arch", "dataset", "sync", "sync_option", "amp")
+# --shards too: its schedule is another kind (the claims taken, not the steps). A flag
+# that older checkpoints lack takes the value those runs had.
+STATE_FLAGS = ("arch", "dataset", "sync", "sync_option", "amp", "shards")
+FLAGS_BEFORE_THEY_EXISTED = {"shards": "static"}
 
 
 def read_checkpoint(path: str, eval_only: bool) -> dict:
@@ -223,11 +231,17 @@ def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
     scaler = torch.amp.GradScaler(comm.device.type, enabled=args.amp == "fp16")
     if not torch_peer:  # a strategy that keeps gradients across steps needs their scale
         strategy.grad_scaler = scaler
+    if args.shards == "auto":  # dynamic where the strategy allows it and ranks can differ
+        uneven = getattr(strategy, "uneven_steps", False)
+        args.shards = "dynamic" if uneven and comm.world_size > 1 else "static"
     sampler, loader = shard_loader(args, split, comm)
     steps_per_epoch = len(loader) // args.accum_steps
+    if args.shards == "dynamic":  # the rate follows the run's progress through the data
+        schedule = progress_schedule(optimizer, sampler, args.epochs, args.schedule == "cosine")
+    else:
+        schedule = lr_schedule(args, optimizer, steps_per_epoch)
     return Run(args, split, comm, model, ddp, strategy, torch_peer, optimizer, scaler,
-               lr_schedule(args, optimizer, steps_per_epoch), sampler, loader,
-               steps_per_epoch, clock, sent)
+               schedule, sampler, loader, steps_per_epoch, clock, sent)
 
 
 def wrap_model(args: argparse.Namespace, model: torch.nn.Module, strategy, comm,
@@ -244,10 +258,25 @@ def wrap_model(args: argparse.Namespace, model: torch.nn.Module, strategy, comm,
 
 
 def shard_loader(args: argparse.Namespace, split: data.DataSplit,
-                 comm) -> Tuple[DistributedSampler, DataLoader]:
-    """This rank's shard of the training split in batches of --batch-size. Every rank's
-    sampler has the same seed, so each epoch's shards are disjoint; the last, short
-    batch is dropped so that every rank takes the same number of steps."""
+                 comm) -> Tuple[Any, DataLoader]:
+    """This rank's part of the training split in batches of --batch-size.
+
+    --shards static: every rank's DistributedSampler has the same seed, so each epoch's
+    shards are disjoint; the last, short batch is dropped so that every rank takes the
+    same number of steps. --shards dynamic: a rank takes one step's images at a time
+    from the epoch's queue (dynamic_shards.py); collective, since rank 0 hosts the
+    queue's counter."""
+    if args.shards == "dynamic":
+        counter = ClaimCounter.open(comm, args.timeout)
+        shards = DynamicShards(len(split.train), args.batch_size, args.accum_steps,
+                               args.seed, counter, comm.world_size)
+        if shards.claims_per_epoch < 1:
+            fail(f"the training split has {len(split.train)} images: fewer than "
+                 f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps}")
+        # workers fetch ahead: one micro-batch each at most, as each fetch takes claims
+        ahead = {"prefetch_factor": 1} if args.workers else {}
+        return shards, DataLoader(split.train, batch_sampler=shards,
+                                  num_workers=args.workers, **ahead)
     sampler = DistributedSampler(split.train, num_replicas=comm.world_size, rank=comm.rank,
                                  shuffle=True, seed=args.seed)
     loader = DataLoader(split.train, batch_size=args.batch_size, sampler=sampler,
@@ -287,7 +316,8 @@ def resume(run: Run, saved: dict) -> None:
         fail(f"--resume {path}: not a trainer checkpoint (\"ranks\" should hold "
              f"{world} state(s), each with {', '.join(RANK_KEYS)})")
     for flag in STATE_FLAGS:  # the state saved belongs to these flags' strategy and model
-        before, now = saved["args"].get(flag), getattr(run.args, flag)
+        before = saved["args"].get(flag, FLAGS_BEFORE_THEY_EXISTED.get(flag))
+        now = getattr(run.args, flag)
         if before != now:
             fail(f"--resume {path}: saved with --{flag.replace('_', '-')} {before}, resumed "
                  f"with {now}: its model and strategy state belong to the flags that saved it")
@@ -297,7 +327,7 @@ def resume(run: Run, saved: dict) -> None:
     run.scaler.load_state_dict(mine["scaler"])
     run.schedule.load_state_dict(mine["schedule"])
     run.strategy.load_state_dict(mine["strategy"])
-    run.step = saved["step"]
+    run.step = mine.get("step", saved["step"])  # a rank's own count (--shards dynamic)
     checkpoint.restore_rng_state(mine["rng"])
 
 
@@ -349,7 +379,7 @@ def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
     batches = progress(run.loader, f"epoch {epoch}/{args.epochs}", micro_batches,
                        args.progress, show=run.comm.rank == 0)
     for index, (images, labels) in enumerate(batches):
-        if index >= micro_batches:
+        if index >= micro_batches and args.shards == "static":
             break  # an incomplete accumulation at the end of the epoch is dropped
         images, labels = images.to(device), labels.to(device)
         if index % args.accum_steps == 0:  # a new optimizer step begins
@@ -403,8 +433,7 @@ def optimizer_step(run: Run, step_started: int) -> bool:
     args = run.args
     with run.clock.blocking("after_backward"):
         run.strategy.after_backward(run.model)
-    if args.skip_nonfinite and not collectives.all_finite(
-            [p.grad for p in run.model.parameters()], run.comm):
+    if args.skip_nonfinite and not gradients_finite(run):
         skip_step(run)
         return False
     with trace.span("optimizer", cat="compute"):
@@ -420,10 +449,22 @@ def optimizer_step(run: Run, step_started: int) -> bool:
     return True
 
 
+def gradients_finite(run: Run) -> bool:
+    """--skip-nonfinite's question: are this step's gradients finite on every rank?
+    all_finite asks every rank (a collective), so all decide alike. With --shards dynamic
+    the ranks take different numbers of steps and meet at no step, so each rank asks only
+    itself: its replica is its own until the next averaging round."""
+    gradients = [p.grad for p in run.model.parameters()]
+    if run.args.shards == "dynamic":
+        return all(bool(torch.isfinite(g).all()) for g in gradients if g is not None)
+    return collectives.all_finite(gradients, run.comm)
+
+
 def skip_step(run: Run) -> None:
     """--skip-nonfinite: some rank's gradients hold inf or NaN. all_finite gave every rank
-    the same answer, so every rank drops this step's gradients together; an fp16 loss
-    scale is halved, as GradScaler does when it skips a step for an overflow."""
+    the same answer, so every rank drops this step's gradients together (with --shards
+    dynamic, the rank that saw them drops its own step); an fp16 loss scale is halved,
+    as GradScaler does when it skips a step for an overflow."""
     run.say(f"warning: step {run.step + 1}: non-finite gradients on some rank; "
             "skipping this step on every rank", file=sys.stderr)
     run.optimizer.zero_grad(set_to_none=True)
@@ -449,7 +490,8 @@ def evaluated_model(run: Run) -> torch.nn.Module:
       their average is (what local SGD computes every period, and what gossip and
       asynchronous averaging converge to). The copy holds the mean over the ranks of
       the parameters and floating-point buffers; integer buffers (BatchNorm's
-      num_batches_tracked, the same count on every rank) are rank 0's.
+      num_batches_tracked: the same count on every rank, but for --shards dynamic,
+      where each rank counts its own steps) are rank 0's.
     """
     model = copy.deepcopy(run.model)  # parameters and buffers; no gradients, no hooks
     buffers = list(model.buffers())
@@ -482,15 +524,22 @@ def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, am
 def summarise_epoch(run: Run, epoch: int, trained: EpochTrained, accuracy: float) -> dict:
     """The epoch's record (one line of --metrics): the train loss averaged over ranks,
     throughput, bytes sent, and the shares of time spent communicating."""
-    args, world = run.args, run.comm.world_size
-    train_loss = torch.tensor([float(np.mean(trained.losses))], dtype=torch.float64)
-    collectives.all_reduce(train_loss, op="avg", algorithm="auto", comm=run.comm, check=False)
+    args = run.args
+    # summed over the ranks, which may have trained unequal parts (--shards dynamic)
+    world = run.comm.world_size
+    totals = torch.zeros(2 + world, dtype=torch.float64)  # losses, micro-batches, steps
+    totals[0], totals[1] = float(np.sum(trained.losses)), len(trained.losses)
+    totals[2 + run.comm.rank] = trained.steps  # each rank fills its slot: an all-gather
+    collectives.all_reduce(totals, op="sum", algorithm="auto", comm=run.comm, check=False)
+    micro_batches = totals[1].item()
     seconds = trained.train_seconds
-    return {"epoch": epoch, "train_loss": train_loss.item(), "test_acc": accuracy,
-            "images_per_s": len(trained.losses) * args.batch_size * world / seconds,
+    return {"epoch": epoch, "train_loss": totals[0].item() / max(micro_batches, 1),
+            "test_acc": accuracy,
+            "images_per_s": micro_batches * args.batch_size / seconds,
             "comm_bytes": trained.sent_bytes,
             "bytes_per_step": trained.sent_bytes / max(trained.steps, 1),
             "steps": trained.steps,
+            "steps_by_rank": [int(n) for n in totals[2:].tolist()],
             # busy: our comm threads and hooks (torch's threads are not visible)
             "comm_share": (None if run.torch_peer
                            else (trained.busy_seconds + run.clock.in_hooks) / seconds),
@@ -517,7 +566,8 @@ def rank_state(run: Run) -> dict:
     """This rank's own part of a checkpoint: what differs between ranks, or may."""
     return {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
             "scaler": run.scaler.state_dict(), "schedule": run.schedule.state_dict(),
-            "strategy": run.strategy.state_dict(), "rng": checkpoint.rng_state()}
+            "strategy": run.strategy.state_dict(), "rng": checkpoint.rng_state(),
+            "step": run.step}  # ranks differ with --shards dynamic
 
 
 def save_checkpoint(run: Run, epoch: int, evaluated: torch.nn.Module,
