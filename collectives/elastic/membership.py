@@ -1,0 +1,339 @@
+"""Who is in the job, generation by generation: the list an elastic job agrees on.
+
+A job that goes on after losing a host needs one thing no rank can hold: the list of
+who is in. It lives in a key-value store outside the ranks (a torch TCPStore hosted by
+a small service of its own, `python -m collectives.elastic.store`), and every change of
+membership is a new *generation*:
+
+    generation 0: [a, b, c, d]      ranks 0-3
+    c dies; a, b and d register for generation 1
+    generation 1: [a, b, d]         ranks 0-2: survivors keep their order
+    e starts, and registers for generation 2
+    generation 2: [a, b, d, e]      a newcomer comes last
+
+Registering for generation g takes a slot: i = add("g/count", 1) - 1, then
+set("g/slot/i", my id). The generation's list is written once (compare_set on
+"g/members") by whichever registered member first sees the generation complete:
+
+    at least min_ranks have registered, and
+    every member of generation g-1 has registered or is dead, and
+    no one has registered for `settle` seconds (newcomers starting together join together)
+
+Dead means its heartbeat stopped. Each member runs a thread that adds 1 to "beat/<id>"
+every `beat` seconds; a counter that has not moved for `dead_after` seconds, by the
+watcher's own clock, is a dead member (so the hosts' clocks need not agree). A member
+still blocked in a collective that a dead peer never finished is alive, and is waited
+for: it registers as soon as its own call fails (the transport's timeout at most).
+
+A member that registered after the list was written is not in it; it registers for the
+next generation, and the members learn of it at their next step boundary
+(`newcomers()`), when they all move on to a generation that includes it.
+
+Failure modes, named:
+- The store is one process. If it dies, membership can no longer change: the next
+  change (or any member waiting on one) raises MembershipError naming the store. A
+  generation that is running trains on, as its communicator needs no store.
+- Fewer than min_ranks members for `timeout` seconds: every member waiting raises
+  MembershipError saying how many are left.
+"""
+from __future__ import annotations
+
+import json
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Dict, List, Optional, Tuple
+
+import torch.distributed as dist
+
+
+class MembershipError(RuntimeError):
+    """Membership cannot go on: the store is unreachable, or too few members are left."""
+
+
+class JobFinished(MembershipError):
+    """The job was marked finished (Membership.finish): there is nothing to join."""
+
+
+@dataclass(frozen=True)
+class View:
+    """One generation as one member sees it."""
+    generation: int
+    members: Tuple[str, ...]  # member ids, in rank order
+    me: str
+
+    @property
+    def rank(self) -> int:
+        return self.members.index(self.me)
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+
+RECONNECT_SECONDS = 5.0  # a quick call that failed connects again at most this often
+STORE_ID_KEY = "store id"  # a random value the first member writes: the store's identity
+
+
+def _key(generation: int, name: str) -> str:
+    return f"generation {generation}/{name}"
+
+
+class Membership:
+    """One member's handle on the store: join a generation, notice newcomers, leave.
+
+        membership = Membership("10.0.0.1", 29400, member_id="node2/4711", min_ranks=2)
+        view = membership.join(expected=4)     # the first generation: wait for 4
+        ...                                     # a peer fails:
+        view = membership.join()               # the next generation, with whoever is left
+        membership.leave()                     # done: stop the heartbeat
+    """
+
+    def __init__(self, host: str, port: int, member_id: str, min_ranks: int = 1,
+                 max_ranks: Optional[int] = None, timeout: float = 300.0,
+                 settle: float = 1.0, beat: float = 0.5, dead_after: float = 5.0):
+        if min_ranks < 1 or (max_ranks is not None and max_ranks < min_ranks):
+            raise ValueError(f"need 1 <= min_ranks <= max_ranks, got {min_ranks}, {max_ranks}")
+        self.host, self.port, self.me = host, port, member_id
+        self.min_ranks, self.max_ranks = min_ranks, max_ranks
+        self.timeout, self.settle, self.beat, self.dead_after = timeout, settle, beat, dead_after
+        self.store = self._connect()
+        self.store_id = self._store_id(self.store)  # a restarted store is another store
+        self.view: Optional[View] = None
+        self._stop = threading.Event()
+        self._heart = threading.Thread(target=self._beat, name="membership heartbeat",
+                                       daemon=True)
+        self._heart.start()
+
+    # --- the store --------------------------------------------------------------------
+
+    def _connect(self) -> dist.TCPStore:
+        try:
+            return dist.TCPStore(self.host, self.port, is_master=False,
+                                 timeout=timedelta(seconds=max(self.dead_after, 1.0)))
+        except RuntimeError as error:
+            raise self._lost(error) from None
+
+    def _store_id(self, store: dist.TCPStore) -> bytes:
+        """The store's identity: a random value its first member writes. A store that
+        lost its keys (restarted) gets another one, so a member can tell."""
+        try:
+            return store.compare_set(STORE_ID_KEY, "", secrets.token_hex(8))
+        except RuntimeError as error:
+            raise self._lost(error) from None
+
+    def _lost(self, error: Exception) -> MembershipError:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        return MembershipError(f"the membership store at {self.host}:{self.port} does not "
+                               f"answer ({first}): membership can no longer change")
+
+    def _call(self, method: str, *args, retry: bool = True):
+        """One store call. A lost connection (this host's link was cut and has come
+        back) is made again, for up to `timeout` seconds; then MembershipError. Calls
+        that count (add of 1) are not repeated (`retry=False`): their first try may have
+        counted. A store that answers again but is not the one we knew (restarted, so
+        empty) is MembershipError at once."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                return getattr(self.store, method)(*args)
+            except RuntimeError as error:  # DistStoreError, DistNetworkError
+                if not retry or time.monotonic() >= deadline:
+                    raise self._lost(error) from None
+            time.sleep(min(self.beat, 1.0))
+            try:
+                store = self._connect()
+            except MembershipError:
+                continue  # not yet: try again until the deadline
+            if self._store_id(store) != self.store_id:
+                raise MembershipError(f"the membership store at {self.host}:{self.port} "
+                                      "was restarted: it no longer knows the job's members")
+            self.store = store
+
+    def _beat(self) -> None:
+        """The heartbeat thread, on a connection of its own (a client is one socket).
+        It beats until leave(), connecting again whenever the store cannot be reached."""
+        store = None
+        while not self._stop.is_set():
+            try:
+                store = store or self._connect()
+                store.add(f"beat/{self.me}", 1)
+            except (RuntimeError, MembershipError):
+                store = None  # unreachable for now; the others may take us for dead
+            self._stop.wait(self.beat)
+
+    # --- generations ------------------------------------------------------------------
+
+    def latest(self) -> int:
+        """The last generation whose list was written (-1: none yet). The "latest"
+        counter is a hint (a closer may die before it counts its generation): the lists
+        written after it are found by looking."""
+        generation = self._call("add", "latest", 0) - 1
+        while self._call("check", [_key(generation + 1, "members")]):
+            generation += 1
+        return generation
+
+    def members_of(self, generation: int) -> Optional[List[str]]:
+        """The list of `generation`, or None while it is open."""
+        if not self._call("check", [_key(generation, "members")]):
+            return None
+        return json.loads(self._call("get", _key(generation, "members")))["members"]
+
+    def newcomers(self) -> int:
+        """How many of those registered for the generation after ours it has places for
+        (max_ranks); one read. Members call it at a step boundary, all alike (rank 0
+        reads, and says). The store not answering is 0 newcomers, not an error: a
+        running generation needs no store, and must not stall on one."""
+        assert self.view is not None, "join() first"
+        try:
+            waiting = self.store.add(_key(self.view.generation + 1, "count"), 0)
+        except RuntimeError:
+            self._reconnect_now_and_then()
+            return 0
+        if self.max_ranks is not None:
+            waiting = min(waiting, max(self.max_ranks - self.view.world_size, 0))
+        return waiting
+
+    def _reconnect_now_and_then(self) -> None:
+        """After a failed quick call: connect again, at most every few seconds, so that
+        newcomers are seen again once the store answers."""
+        now = time.monotonic()
+        if now - getattr(self, "_last_reconnect", 0.0) < RECONNECT_SECONDS:
+            return
+        self._last_reconnect = now
+        try:
+            store = self._connect()
+            if self._store_id(store) == self.store_id:
+                self.store = store
+        except MembershipError:
+            pass
+
+    def finish(self) -> None:
+        """Mark the job done: a member that registers from now on is told so, instead
+        of waiting for members that have left and then training alone."""
+        self._call("set", "finished", "1")
+
+    def join(self, expected: Optional[int] = None) -> View:
+        """Register for the next generation and wait until its list is written; if it
+        was written without us (we came too late), the one after. `expected` (the
+        first generation: the launcher's world size): wait for that many, or for
+        `timeout` and then go on with those there (at least min_ranks), instead of
+        closing once registrations are quiet for `settle`. Returns our view of the
+        generation we are in."""
+        generation = (self.view.generation if self.view else self.latest()) + 1
+        while True:
+            if self._call("check", ["finished"]):
+                raise JobFinished("the job has finished: there is nothing to join")
+            self._register(generation)
+            members = self._wait_for_list(generation, expected)
+            if self.me in members:
+                self.view = View(generation, tuple(members), self.me)
+                return self.view
+            generation += 1  # closed before we registered: the next one
+
+    def leave(self) -> None:
+        """Stop the heartbeat: the others will take us for dead after dead_after."""
+        self._stop.set()
+        self._heart.join(timeout=self.beat + 5.0)
+
+    def _register(self, generation: int) -> None:
+        """Take a slot and write our id in it. A failed try is made again (for up to
+        `timeout`) only if our id is not registered yet: the count may have moved."""
+        deadline = time.monotonic() + self.timeout
+        while True:
+            try:
+                slot = self._call("add", _key(generation, "count"), 1, retry=False) - 1
+                self._call("set", _key(generation, f"slot/{slot}"), self.me)
+                return
+            except MembershipError:
+                if time.monotonic() >= deadline:
+                    raise
+            time.sleep(min(self.beat, 1.0))
+            if self.me in self._registered(generation)[1]:  # reconnects as it reads
+                return
+
+    def _registered(self, generation: int) -> Tuple[int, List[str]]:
+        """(slots taken, who has registered for `generation` in the order they did). A
+        slot is taken
+        before its id is written: one not written yet is left out this time (its count
+        has just changed, so the generation is not quiet and will not close without it;
+        a member that died in between is left out for good)."""
+        count = self._call("add", _key(generation, "count"), 0)
+        registered: List[str] = []
+        for slot in (_key(generation, f"slot/{i}") for i in range(count)):
+            if self._call("check", [slot]):
+                member = self._call("get", slot).decode()
+                if member not in registered:  # one id, one place (a retried register)
+                    registered.append(member)
+        return count, registered
+
+    def _wait_for_list(self, generation: int, expected: Optional[int]) -> List[str]:
+        """Poll until generation's list is written; write it ourselves once complete."""
+        beats: Dict[str, Tuple[int, float]] = {}  # member -> (counter, when it last moved)
+        last_count, last_change = -1, time.monotonic()
+        short_since: Optional[float] = None
+        first_seen = time.monotonic()
+        while True:
+            written = self.members_of(generation)
+            if written is not None:
+                return written
+            if self._call("check", ["finished"]):
+                raise JobFinished("the job has finished: there is nothing to join")
+            previous = self.members_of(generation - 1) if generation > 0 else []
+            if previous is None:  # the one before is still open: it closes first
+                if time.monotonic() - first_seen > self.timeout:
+                    raise MembershipError(f"generation {generation - 1} stayed open for "
+                                          f"{self.timeout:g} s: its members never agreed")
+                time.sleep(0.05)
+                continue
+            count, registered = self._registered(generation)
+            now = time.monotonic()
+            if count != last_count:  # a slot taken, its id maybe not written yet
+                last_count, last_change = count, now
+            # registered, but dead since: not in the list (its communicator would wait)
+            registered = [m for m in registered if not self._dead(m, beats, now)]
+            missing = [m for m in previous if m not in registered
+                       and not self._dead(m, beats, now)]
+            enough = len(registered) >= self.min_ranks
+            if expected is not None:  # all the launcher started; after `timeout`, those here
+                quiet = len(registered) >= expected or now - first_seen > self.timeout
+            else:
+                quiet = now - last_change >= self.settle
+            if enough and not missing and quiet:
+                self._close(generation, registered, previous)
+                continue  # read back what was written (ours, or another closer's)
+            if not missing and not enough:  # everyone accounted for, and too few
+                short_since = short_since or now
+                if now - short_since > self.timeout:
+                    raise MembershipError(
+                        f"generation {generation}: {len(registered)} member(s) left, fewer "
+                        f"than the {self.min_ranks} needed (min_ranks), for "
+                        f"{self.timeout:g} s: the job cannot go on")
+            else:
+                short_since = None
+            time.sleep(0.05)
+
+    def _dead(self, member: str, beats: Dict[str, Tuple[int, float]], now: float) -> bool:
+        counter = self._call("add", f"beat/{member}", 0)
+        seen = beats.get(member)
+        if seen is None or seen[0] != counter:
+            beats[member] = (counter, now)
+            return False
+        return now - seen[1] >= self.dead_after
+
+    def _close(self, generation: int, registered: List[str], previous: List[str]) -> None:
+        """Write generation's list, once: survivors in their old order, then newcomers
+        in the order they registered; at most max_ranks (the rest wait for the next)."""
+        order = {member: index for index, member in enumerate(previous)}
+        members = sorted(registered, key=lambda m: (order.get(m, len(order)), registered.index(m)))
+        if self.max_ranks is not None:
+            members = members[:self.max_ranks]
+        ours = json.dumps({"members": members, "written_by": self.me})
+        written = self._call("compare_set", _key(generation, "members"), "", ours)
+        if written.decode() == ours:  # ours was written: one more generation (a hint)
+            try:
+                self._call("add", "latest", 1, retry=False)
+            except MembershipError:
+                pass  # latest() finds the list anyway

@@ -1,0 +1,166 @@
+"""What an elastic loop must not lose, and the loop that survives losing a rank.
+
+    world = ElasticWorld(store_host, store_port, min_ranks=2)
+    state = State(model, optimizer, epoch=1, done=0)    # done: images of the epoch trained
+
+    def train(state, world):                # runs again after every change of members
+        comm = world.comm                   # the rest of the epoch, over this generation:
+        sampler = ElasticSampler(len(dataset), comm.rank, comm.world_size, 32,
+                                 state.epoch, state.done)
+        for images, labels in DataLoader(dataset, sampler=sampler, batch_size=32):
+            ... forward, backward, all-reduce on world.comm, optimizer step ...
+            state.done += 32 * world.comm.world_size
+            state.commit()                  # a consistent point: every rank has the step
+        ...
+
+    run(train, state, world, expected=4)
+
+A commit keeps, in memory, a copy of everything `State` holds: the model's and the
+optimizer's state_dicts and the loop's own counters. When a peer fails, every survivor's
+call raises PeerError; `run` then puts the last commit back, joins the next generation
+(the survivors), and gives every member the commit of the member that got furthest
+(the most commits; of those, the lowest rank), so that all continue from the same
+step, even where one survivor had committed a step that another had not finished, and
+a newcomer never overwrites the job with its fresh state.
+A newcomer joins at the next commit: `commit()` asks whether one waits (one small
+broadcast), and if so every member leaves the loop (MembersChanged) for `run` to take
+the newcomer in and hand it the state.
+
+Where a strategy's replicas agree only now and then (local SGD, DiLoCo), commit at the
+averaging points: a commit between them would hold each rank's own drift.
+"""
+from __future__ import annotations
+
+import copy
+import io
+import sys
+from typing import Any, Callable, Dict, Optional
+
+import torch
+
+from .. import api
+from ..transport import PeerError
+from .membership import JobFinished, MembershipError
+from .world import ElasticWorld
+
+
+class MembersChanged(Exception):
+    """Raised by State.commit() on every member alike: newcomers wait to join."""
+
+
+class State:
+    """The model, the optimizer and named counters of a training loop, with commits.
+
+    Counters are plain attributes (`state.epoch`, `state.done`): whatever the loop needs
+    to know where it is. Everything is restored and handed to newcomers together."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                 **counters: Any):
+        self.model, self.optimizer = model, optimizer
+        self.counters = list(counters)
+        for name, value in counters.items():
+            setattr(self, name, value)
+        self.world: Optional[ElasticWorld] = None
+        self.commits = 0
+        self._saved = self._snapshot()
+
+    def _snapshot(self) -> Dict[str, Any]:
+        return copy.deepcopy({
+            "commits": self.commits,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict() if self.optimizer else None,
+            "counters": {name: getattr(self, name) for name in self.counters}})
+
+    def _load(self, saved: Dict[str, Any]) -> None:
+        self.model.load_state_dict(saved["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(saved["optimizer"])
+        for name, value in saved["counters"].items():
+            setattr(self, name, value)
+        self.commits = saved["commits"]
+        self._saved = copy.deepcopy(saved)
+
+    def commit(self) -> None:
+        """Keep the current state as the one to return to. Collective: then, if newcomers
+        wait, raise MembersChanged on every member (run() takes them in)."""
+        self.commits += 1
+        self._saved = self._snapshot()
+        if self.world is not None and self.world.newcomers():
+            raise MembersChanged()
+
+    def restore(self) -> None:
+        """Back to the last commit."""
+        self._load(self._saved)
+
+    def furthest(self, comm) -> int:
+        """Collective: the rank whose last commit is furthest on (the most commits; of
+        those, the lowest rank). A newcomer has none."""
+        commits = torch.tensor([self._saved["commits"]], dtype=torch.int64)
+        api.all_reduce(commits, op="max", comm=comm)
+        rank = torch.tensor([comm.rank if self._saved["commits"] == commits.item()
+                             else comm.world_size], dtype=torch.int64)
+        api.all_reduce(rank, op="min", comm=comm)
+        return int(rank.item())
+
+    def sync(self, comm, src: Optional[int] = None) -> None:
+        """Collective: every member takes rank `src`'s last commit (model, optimizer,
+        counters), as bytes of torch.save, broadcast over `comm`; `src` None: the
+        furthest member's."""
+        if src is None:
+            src = self.furthest(comm)
+        payload = torch.zeros(1, dtype=torch.int64)
+        if comm.rank == src:
+            buffer = io.BytesIO()
+            torch.save(self._saved, buffer)
+            data = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+            payload[0] = data.numel()
+        api.broadcast(payload, src=src, comm=comm)
+        if comm.rank != src:
+            data = torch.empty(int(payload.item()), dtype=torch.uint8)
+        api.broadcast(data, src=src, comm=comm)
+        if comm.rank != src:
+            saved = torch.load(io.BytesIO(data.numpy().tobytes()), weights_only=False)
+            self._load(saved)
+        else:
+            self.restore()
+
+
+def run(train: Callable[[State, ElasticWorld], Any], state: State, world: ElasticWorld,
+        expected: Optional[int] = None, attempts: int = 5) -> Any:
+    """Call train(state, world) until it returns; after a failed peer or when newcomers
+    wait, go on in the next generation from the last commit (see the module docstring).
+    Returns what train returned; None on a member whose last step failed while the
+    others finished the job. MembershipError (too few members, the store lost) ends it,
+    and so does the same PeerError `attempts` generations in a row with no commit
+    between them (a fault of this host, not a peer's)."""
+    state.world = world
+    if state.commits == 0:  # what the caller loaded into the model since State(...)
+        state._saved = state._snapshot()
+    failures = 0
+    while True:
+        commits_before = state.commits
+        try:  # the next generation: join, take the furthest commit, train
+            world.join(expected)
+            state.sync(world.comm)  # a newcomer takes the job's state
+            result = train(state, world)
+            world.finish()  # those who come later are told, not left to train alone
+            return result
+        except PeerError as error:  # a member failed (perhaps while the generation formed)
+            failures = 0 if state.commits > commits_before else failures + 1
+            generation = world.view.generation if world.view else "-"
+            print(f"collectives.elastic: {world.membership.me}: generation {generation}: "
+                  f"{str(error).splitlines()[0]}; forming the next", file=sys.stderr,
+                  flush=True)
+            if failures >= attempts:
+                raise
+            state.restore()
+        except MembersChanged:
+            pass
+        except JobFinished:
+            if state.commits == 0:  # a newcomer that came too late
+                raise
+            return None  # our last step failed, and the others ended the job
+        expected = None  # only the first generation waits for the launcher's count
+
+
+__all__ = ["State", "run", "MembersChanged", "MembershipError"]
