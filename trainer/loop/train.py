@@ -233,7 +233,8 @@ def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
         strategy.grad_scaler = scaler
     if args.shards == "auto":  # dynamic where the strategy allows it and ranks can differ
         uneven = getattr(strategy, "uneven_steps", False)
-        args.shards = "dynamic" if uneven and comm.world_size > 1 else "static"
+        training = comm.world_size > 1 and not args.eval_only
+        args.shards = "dynamic" if uneven and training else "static"
     sampler, loader = shard_loader(args, split, comm)
     steps_per_epoch = len(loader) // args.accum_steps
     if args.shards == "dynamic":  # the rate follows the run's progress through the data
