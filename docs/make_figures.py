@@ -98,11 +98,13 @@ FIGURES_OF_THE_DOCS = [
            "diloco:period=8:outer_lr=1.0:outer_momentum=0.5,"
            "diloco:period=8:outer_lr=1.0:outer_momentum=0.3 "
            "&& cp diloco.jsonl docs/data/study_20261125/"),
-    Figure("compare_straggler.png", "study_20261125/cmp_straggler.jsonl", draw_compare,
+    Figure("compare_straggler.png", "study_20261125/straggler.jsonl", draw_compare,
            "python -m trainer.compare --hosts 4 --bandwidth 100mbit --cpu-share node3=0.5 "
            "--dataset mnist --data-dir ../shared/data --epochs 3 --stop-at 0.95 "
-           "--out docs/data/study_20261125/cmp_straggler "
-           "--sync ddp,async-avg,allreduce,local-sgd:period=8,bf16,ddp-localsgd:period=8"),
+           "--out straggler --sync ddp,allreduce,ddp-bf16,bf16,ddp-fp16,fp16,powersgd,"
+           "ddp-localsgd:period=8,local-sgd:period=8,diloco:period=8,"
+           "torchft-diloco:period=8,topk,async-avg,delayed,gossip "
+           "(made in three sittings: docs/compare.md)"),
     Figure("timeline.png", "timeline_trace.json", draw_timeline,
            f"{CLUSTER_100MBIT} python -m trainer.bench --sync ddp,allreduce,powersgd "
            "--steps 3 --rounds 1 --warmup 2 --trace run && "
