@@ -466,8 +466,12 @@ def skip_step(run: Run) -> None:
     the same answer, so every rank drops this step's gradients together (with --shards
     dynamic, the rank that saw them drops its own step); an fp16 loss scale is halved,
     as GradScaler does when it skips a step for an overflow."""
-    run.say(f"warning: step {run.step + 1}: non-finite gradients on some rank; "
-            "skipping this step on every rank", file=sys.stderr)
+    if run.args.shards == "dynamic":  # this rank alone (rank 0's is not the only one)
+        print(f"warning: rank {run.comm.rank}: step {run.step + 1}: non-finite gradients; "
+              "skipping this rank's step", file=sys.stderr)
+    else:
+        run.say(f"warning: step {run.step + 1}: non-finite gradients on some rank; "
+                "skipping this step on every rank", file=sys.stderr)
     run.optimizer.zero_grad(set_to_none=True)
     if run.scaler.is_enabled():
         run.scaler.update(run.scaler.get_scale() * 0.5)
