@@ -20,6 +20,14 @@ import torch
 from torch.utils.data import Sampler
 
 
+def epoch_order(size: int, seed: int, epoch: int) -> torch.Tensor:
+    """The epoch's shuffle of `size` indices, the same on every rank (seeded by seed +
+    epoch, as torch's DistributedSampler shuffles)."""
+    generator = torch.Generator()
+    generator.manual_seed(seed + epoch)
+    return torch.randperm(size, generator=generator)
+
+
 class ElasticSampler(Sampler[int]):
     def __init__(self, size: int, rank: int, world_size: int, batch_size: int, epoch: int,
                  done: int = 0, seed: int = 0):
@@ -34,8 +42,6 @@ class ElasticSampler(Sampler[int]):
         return self.steps() * self.batch_size
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)
-        left = torch.randperm(self.size, generator=generator)[self.done:]
+        left = epoch_order(self.size, self.seed, self.epoch)[self.done:]
         mine = left[self.rank::self.world_size][:len(self)]
         return iter(mine.tolist())

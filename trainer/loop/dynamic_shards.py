@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 
 import collectives
+from collectives.elastic.sampler import epoch_order
 
 
 class ClaimCounter:
@@ -115,7 +116,10 @@ class DynamicShards:
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
-        self.position = max(epoch - 1, 0) * self.claims_per_epoch
+        self.position = self._claims_before_this_epoch()
+
+    def _claims_before_this_epoch(self) -> int:
+        return max(self.epoch - 1, 0) * self.claims_per_epoch
 
     def __len__(self) -> int:
         """Micro-batches this rank takes in an epoch if every rank is as fast (the
@@ -123,15 +127,13 @@ class DynamicShards:
         return max(1, self.claims_per_epoch // self.world_size) * self.accum_steps
 
     def __iter__(self) -> Iterator[List[int]]:
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + self.epoch)  # as DistributedSampler shuffles
-        order = torch.randperm(self.size, generator=generator).tolist()
+        order = epoch_order(self.size, self.seed, self.epoch).tolist()
         step_images = self.batch_size * self.accum_steps
         while True:
             claim = self.counter.take(f"epoch {self.epoch}")
             if claim >= self.claims_per_epoch:
                 return
-            self.position = (max(self.epoch - 1, 0)) * self.claims_per_epoch + claim
+            self.position = self._claims_before_this_epoch() + claim
             images = order[claim * step_images:(claim + 1) * step_images]
             for start in range(0, step_images, self.batch_size):
                 yield images[start:start + self.batch_size]
