@@ -28,10 +28,10 @@ import torch
 
 from .cluster import link_rate_bytes
 from .launch.environment import LaunchError, LaunchInfo, detect_launch
-from .launch.exit import install_exit_hooks
+from .launch.exit import close_at_exit, install_exit_hooks
 from .launch.mpi import mpi_world
 from .launch.rendezvous import check_mpi_agrees, rendezvous_address
-from .transport.base import Transport
+from .transport.base import PeerError, Transport
 from .transport.local import LocalTransport
 from .transport.shm import ShmTransport, want_shm
 from .transport.topology import Topology
@@ -153,6 +153,7 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
     if device.type == "cuda":
         torch.cuda.set_device(device)
     _limit_threads(info)
+    _install_exit_hooks()  # before any rendezvous: a rank failing in init() ends well too
 
     if backend == "mpi":
         world = mpi_world()
@@ -172,9 +173,16 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
                                 world_size=info.world_size, timeout=timeout)
         comm = TorchDistTransport(backend, info.rank, info.world_size, info.local_rank,
                                   device, timeout)
-    comm = with_routes(comm, shm)
+    try:
+        comm = with_routes(comm, shm)
+    except BaseException:
+        # Close the unfinished communicator at exit, as a finished one is: left to the
+        # interpreter's teardown, gloo's threads abort the rank (SIGABRT) instead of its
+        # error ending it. Not now: the peers would fail on the closed connection before
+        # this rank has reported the error that is the job's real cause.
+        close_at_exit(comm.close)
+        raise
     _default = comm
-    _install_exit_hooks()
     return comm
 
 
@@ -217,9 +225,11 @@ def adopt_torch_group(group=None, timeout: Union[None, float, timedelta] = None,
 
 
 def _install_exit_hooks() -> None:
-    """The default communicator is closed at exit, and an MPI job of several ranks is
-    aborted on an uncaught exception (launch/exit.py)."""
-    install_exit_hooks(destroy, lambda: _default is not None and _default.world_size > 1)
+    """The default communicator is closed at exit, a rank that fails because another did
+    lets that one end first, and an MPI job of several ranks is aborted on an uncaught
+    exception (launch/exit.py)."""
+    install_exit_hooks(destroy, lambda: _default is not None and _default.world_size > 1,
+                       lambda error: isinstance(error, PeerError))
 
 
 def get_comm() -> Transport:

@@ -14,10 +14,13 @@ interpreter:
 
 And under mpirun, an uncaught exception on one rank calls MPI_Abort (as `python -m
 mpi4py` does), so mpirun ends every rank instead of leaving the peers to time out.
-torchrun needs nothing of the kind: it ends the other workers when one fails.
+torchrun needs nothing of the kind: it ends the other workers when one fails. A rank
+that fails only because a peer did waits a moment first, so the launcher sees the
+peer, the cause, end first.
 
 This file knows nothing of transports: `collectives.world` hands it the function that
-closes the communicator and the question whether there is a job to abort.
+closes the communicator, the question whether there is a job to abort, and the test
+of whether an error came from another rank.
 """
 from __future__ import annotations
 
@@ -30,6 +33,7 @@ from typing import Callable
 
 EXIT_GRACE_SECONDS = 5.0  # at exit, the longest wait for background threads to finish
 ABORT_GRACE_SECONDS = 0.5  # before MPI_Abort, time for the traceback to reach mpiexec
+PEER_GRACE_SECONDS = 1.0  # a rank failing because a peer did lets that peer end first
 
 _background = weakref.WeakSet()  # threads of ours to stop before the communicator closes
 _installed = False
@@ -80,8 +84,27 @@ def _close_at_exit(close: Callable[[], None]) -> None:
               file=sys.stderr)
 
 
-def _abort_mpi_job_on_uncaught(previous_hook, in_a_job: Callable[[], bool]):
-    """An excepthook: print as before, then, inside an MPI job of several ranks, abort it.
+def close_at_exit(close: Callable[[], None]) -> None:
+    """Have `close` run at exit as the default communicator's close does (for a
+    communicator that init() built but could not finish)."""
+    atexit.register(_close_at_exit, close)
+
+
+def _let_the_cause_end_first() -> None:
+    """This rank fails because a peer did (a PeerError: its connection closed, or it
+    said nothing within the timeout). Give that peer a moment to end first: a launcher
+    takes the first rank to end as the job's cause and stops the rest. torchrun reports
+    that rank as the "Root Cause" (and, ending before it, the cause would be reported as
+    killed by SIGTERM); under mpirun the first MPI_Abort ends every rank, the cause's
+    traceback perhaps not yet printed."""
+    sys.stderr.flush()
+    time.sleep(PEER_GRACE_SECONDS)
+
+
+def _on_uncaught(previous_hook, in_a_job: Callable[[], bool],
+                 caused_elsewhere: Callable[[BaseException], bool]):
+    """An excepthook: print as before; if another rank's failure caused this one, let
+    that rank end first; then, inside an MPI job of several ranks, abort it.
 
     Once MPI is initialised (the mpi backend, or gloo whose rendezvous went over MPI),
     MPI_Finalize at exit can wait for the other ranks while they wait for this one
@@ -89,6 +112,8 @@ def _abort_mpi_job_on_uncaught(previous_hook, in_a_job: Callable[[], bool]):
     """
     def hook(kind, error, trace):
         previous_hook(kind, error, trace)
+        if caused_elsewhere(error):
+            _let_the_cause_end_first()
         mpi = sys.modules.get("mpi4py.MPI")
         if (in_a_job() and mpi is not None and mpi.Is_initialized()
                 and not mpi.Is_finalized()):
@@ -100,23 +125,30 @@ def _abort_mpi_job_on_uncaught(previous_hook, in_a_job: Callable[[], bool]):
     return hook
 
 
-def install_exit_hooks(close: Callable[[], None], in_a_job: Callable[[], bool]) -> None:
-    """Once per process: `close` at exit (after the background threads), and MPI_Abort
-    on an uncaught exception while `in_a_job()` says there are peers."""
+def install_exit_hooks(close: Callable[[], None], in_a_job: Callable[[], bool],
+                       caused_elsewhere: Callable[[BaseException], bool]) -> None:
+    """Once per process: `close` at exit (after the background threads); on an uncaught
+    exception that `caused_elsewhere` says another rank caused, a moment for that rank to
+    end first; and MPI_Abort on any uncaught exception while `in_a_job()` says there are
+    peers."""
     global _installed
     if not _installed:
         atexit.register(_close_at_exit, close)
-        sys.excepthook = _abort_mpi_job_on_uncaught(sys.excepthook, in_a_job)
+        sys.excepthook = _on_uncaught(sys.excepthook, in_a_job, caused_elsewhere)
         _installed = True
 
 
-def abort(code: int = 1) -> None:
+def abort(code: int = 1, caused_elsewhere: bool = False) -> None:
     """End the job now, after a fatal communication error.
 
     Under MPI this is MPI_Abort: mpirun then ends every rank, a hung one included (a
     plain non-zero exit would leave mpirun waiting for it). Otherwise this process exits;
-    torchrun ends the other workers when one fails.
+    torchrun ends the other workers when one fails. `caused_elsewhere`: the error came
+    from another rank's failure (a PeerError), so that rank is given a moment to end
+    first and be the one the launcher names.
     """
+    if caused_elsewhere:
+        _let_the_cause_end_first()
     sys.stdout.flush()
     sys.stderr.flush()
     mpi = sys.modules.get("mpi4py.MPI")
