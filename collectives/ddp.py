@@ -174,7 +174,11 @@ class DistributedDataParallel(nn.Module):
         self.bucketer = Bucketer(self.module.parameters(), self.sync.reduce_bucket, self.comm,
                                  bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
                                  **self._bucketer_options)
-        check_same_buckets(self.bucketer, self.comm)
+        try:
+            check_same_buckets(self.bucketer, self.comm)
+        except BaseException:  # its hooks must not stay on the model, nor its thread run
+            self.bucketer.close()
+            raise
         self.bucket_sizes_mb = (first_mb, cap_mb)
 
     def _size_buckets_for_the_link(self) -> None:

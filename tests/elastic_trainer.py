@@ -1,12 +1,16 @@
 """A small elastic training loop for tests/test_elastic.py: a linear model on
 generated data, all-reduced gradients, State and run from collectives.elastic.
 
-    python elastic_trainer.py PORT NAME OUT [--die-at STEP] [--expected N] [--epochs E]
+    python elastic_trainer.py STORE NAME OUT [--die-at STEP] [--expected N] [--epochs E]
 
-Writes OUT (torch.save): the final parameters, the commits and the generations seen.
+STORE: the store's port on this host, or HOST:PORT, or "env" ($COLLECTIVES_ELASTIC_STORE,
+as the emulated cluster's --elastic-store gives it). NAME: the member's id ("-": the
+default, host/pid). Writes OUT (torch.save; "{host}" in it becomes the host's name):
+the final parameters, the steps and the generations seen.
 """
 import argparse
 import os
+import socket
 import sys
 import time
 
@@ -31,7 +35,7 @@ def data():
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("port", type=int)
+    p.add_argument("store")
     p.add_argument("name")
     p.add_argument("out")
     p.add_argument("--die-at", type=int)
@@ -46,9 +50,12 @@ def main():
     model = torch.nn.Linear(16, 1).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     state = State(model, optimizer, epoch=1, done=0, steps=0)
-    world = ElasticWorld("127.0.0.1", args.port, min_ranks=args.min_ranks,
-                         timeout=args.timeout, member_id=args.name, settle=0.5, beat=0.1,
-                         dead_after=2.0)
+    store = os.environ["COLLECTIVES_ELASTIC_STORE"] if args.store == "env" else args.store
+    host, _, port = store.rpartition(":")
+    args.out = args.out.replace("{host}", socket.gethostname())
+    world = ElasticWorld(host or "127.0.0.1", int(port), min_ranks=args.min_ranks,
+                         timeout=args.timeout, member_id=None if args.name == "-" else args.name,
+                         settle=0.5, beat=0.1, dead_after=2.0)
     dataset = data()
     generations = []
 

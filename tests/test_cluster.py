@@ -675,6 +675,11 @@ def test_every_process_of_a_host_is_in_its_groups_however_it_started(launcher):
     (["--pause", "node1@1:1e7"], "the pause must end by 1000000 s"),
     (["--pause", "node1@1:inf"], "the pause must end by 1000000 s"),
     (["--scheduler", "slurm", "--pause", "node1@0:70000"], "a pause lasts at most 65503 s"),
+    (["--kill", "node2@5"], "--kill: no host 'node2'"),
+    (["--kill", "node1@-1"], "SECONDS must be in [0, 1000000]"),
+    (["--kill", "node1"], "write HOST@SECONDS"),
+    (["--cut", "node1@5:0"], "DURATION more than 0"),
+    (["--cut", "3@5:1"], "--cut: no host '3'"),
 ])
 def test_bad_host_options_are_usage_errors_before_anything_is_built(args, message, capsys):
     with pytest.raises(SystemExit) as stopped:
@@ -684,13 +689,14 @@ def test_bad_host_options_are_usage_errors_before_anything_is_built(args, messag
 
 
 def test_the_first_line_names_every_host_that_differs():
-    _, _, spec = parse(["--hosts", "4", "--bandwidth", "100mbit", "--cpu-share", "node3=0.5",
-                        "--link", "1=10mbit", "--pause", "node2@5:10", "--", "true"])
-    line = describe(Network(spec, run="cc000000"))
+    args, _, spec = parse(["--hosts", "4", "--bandwidth", "100mbit", "--cpu-share", "node3=0.5",
+                           "--link", "1=10mbit", "--pause", "node2@5:10", "--kill", "node3@60",
+                           "--cut", "1@90:30", "--", "true"])
+    line = describe(Network(spec, run="cc000000"), args.kill, args.cut)
     cores = 0.5 * min(1, cgroups.usable_cores() / 4)  # 0.25 on 2 cores, 0.5 on 4 or more
     assert line == (f"collectives.cluster: run cc000000: 4 hosts x 1 rank, 100mbit; node3 at "
                     f"0.5 CPU share ({cores:.3g} core{'s' * (cores != 1)}); node1 link 10mbit; "
-                    "node2 paused at 5s for 10s")
+                    "node2 paused at 5s for 10s; node3 killed at 60s; node1 cut at 90s for 30s")
 
 
 @pytest.mark.parametrize("option,spec", [

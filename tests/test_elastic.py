@@ -3,6 +3,7 @@
 Each test starts the members of a small job (tests/elastic_trainer.py: a linear model,
 gradients all-reduced, collectives.elastic's State and run) against a membership
 store of its own, and reads what each member saved at the end."""
+import json
 import os
 import subprocess
 import sys
@@ -138,3 +139,154 @@ def test_a_member_that_drops_its_communicator_ends_a_peers_wait_at_once(tmp_path
     waited = [line for line in out.splitlines() if line.startswith("waited")]
     assert waited, out + err[-2000:]
     assert float(waited[0].split()[1]) < 5.0, waited[0]  # not the 60 s timeout
+
+
+# --- python -m trainer --elastic ---------------------------------------------------------
+TRAINER_FLAGS = ("--train-samples", "240", "--test-samples", "64", "--batch-size", "8",
+                 "--epochs", "3", "--progress", "off", "--timeout", "20")
+
+
+class TrainerJob:
+    """Ranks of `python -m trainer --elastic` against a store of the test's own; the first
+    ones are started as a launcher does (RANK, WORLD_SIZE), newcomers without."""
+
+    def __init__(self, folder, launched):
+        self.store, self.folder, self.launched, self.ranks = serve(0), folder, launched, []
+
+    def start(self, *flags, rank=None):
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(name, None)
+        if rank is not None:
+            env.update(RANK=str(rank), WORLD_SIZE=str(self.launched))
+        out = open(self.folder / f"out-{len(self.ranks)}.txt", "w+")
+        self.ranks.append((subprocess.Popen(
+            [sys.executable, "-m", "trainer", "--elastic", "--store",
+             f"127.0.0.1:{self.store.port}", "--metrics", str(self.folder / "metrics.jsonl"),
+             *TRAINER_FLAGS, *flags], stdout=out, stderr=subprocess.STDOUT, env=env,
+            cwd=ROOT), out))
+
+    def output(self, index):
+        with open(self.folder / f"out-{index}.txt") as out:
+            return out.read()
+
+    def wait_for(self, text, timeout=90):
+        """Until some rank has printed `text`."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if any(text in self.output(i) for i in range(len(self.ranks))):
+                return
+            time.sleep(0.2)
+        raise AssertionError(f"no rank printed {text!r}")
+
+    def finish(self, timeout=150):
+        """Every rank's exit code; kills them all if one outlives `timeout`."""
+        codes, deadline = [], time.monotonic() + timeout
+        try:
+            for process, _ in self.ranks:
+                codes.append(process.wait(timeout=max(deadline - time.monotonic(), 1)))
+        finally:
+            for process, out in self.ranks:
+                process.kill()
+                out.close()
+        return codes
+
+    def records(self):
+        with open(self.folder / "metrics.jsonl") as lines:
+            return [json.loads(line) for line in lines]
+
+
+@pytest.mark.timeout(300)
+def test_the_trainer_goes_on_without_a_killed_rank_and_ends_every_epoch(tmp_path):
+    job = TrainerJob(tmp_path, launched=3)
+    for rank in range(3):
+        job.start(rank=rank)
+    job.wait_for("generation 0: 3 rank(s)")
+    time.sleep(3)  # into epoch 1
+    job.ranks[2][0].kill()
+    codes = job.finish()
+    outputs = "\n".join(job.output(i) for i in range(3))
+    assert codes[:2] == [0, 0], outputs[-3000:]
+    assert "generation 1: 2 rank(s)" in outputs, outputs[-3000:]
+    records = job.records()
+    assert [r["epoch"] for r in records] == [1, 2, 3], records
+    assert records[-1]["world_size"] == 2 and records[-1]["test_acc"] > 0.2, records
+    assert "done in" in outputs
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_comes_joins_the_trainer_at_its_next_step(tmp_path):
+    job = TrainerJob(tmp_path, launched=2)
+    for rank in range(2):
+        job.start("--min-ranks", "2", rank=rank)
+    job.wait_for("generation 0: 2 rank(s)")
+    job.start("--min-ranks", "2")
+    job.wait_for("generation 1: 3 rank(s)")
+    codes = job.finish()
+    outputs = "\n".join(job.output(i) for i in range(3))
+    assert codes == [0, 0, 0], outputs[-3000:]
+    assert job.records()[-1]["world_size"] == 3, job.records()
+
+
+# --- on the emulated cluster: a host killed, a host cut off and back --------------------
+needs_root = pytest.mark.skipif(
+    os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"],
+                                        capture_output=True).returncode,
+    reason="the emulated cluster needs root and iproute2")
+
+
+@needs_root
+@pytest.mark.timeout(300)
+def test_on_the_cluster_a_killed_host_stays_out_and_a_cut_one_comes_back(tmp_path):
+    """3 hosts, the store on the switch: node1 is killed at 20 s, node2's link is down
+    from 30 s to 40 s, longer than the transport's timeout (6 s). The job goes on without node1, takes node2 back, and exits 0 (node1's status
+    does not count); node0 and node2 end with the same parameters."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run(
+        [sys.executable, "-m", "collectives.cluster", "--hosts", "3", "--elastic-store",
+         "--kill", "node1@20", "--cut", "node2@30:10", "--",
+         sys.executable, os.path.join(HERE, "elastic_trainer.py"), "env", "-",
+         str(tmp_path / "{host}.pt"), "--expected", "3", "--epochs", "16",
+         "--step-seconds", "0.1", "--timeout", "6"],
+        capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "node1 killed at" in done.stderr and "node2 plugged back in" in done.stderr
+    assert not (tmp_path / "node1.pt").exists()
+    node0, node2 = (torch.load(tmp_path / f"{host}.pt", weights_only=False)
+                    for host in ("node0", "node2"))
+    sizes = [size for _, size in node0["generations"]]
+    assert sizes[-1] == 2 and 1 in sizes[1:], sizes  # node0 alone while node2 was cut off
+    assert node0["steps"] == node2["steps"]
+    assert all(torch.equal(x, y) for x, y in zip(node0["params"], node2["params"]))
+
+
+@pytest.mark.timeout(200)
+def test_an_elastic_checkpoint_resumes_with_elastic_in_a_new_job_only(tmp_path):
+    """--checkpoint-dir keeps the commit: --elastic --resume goes on from the next epoch
+    (in a new job, with a store of its own); the finished job's store turns a rank away
+    with one line."""
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    for name in ("RANK", "WORLD_SIZE"):
+        env.pop(name, None)
+
+    def trainer(store, *flags):
+        return subprocess.run(
+            [sys.executable, "-m", "trainer", "--elastic", "--store", f"127.0.0.1:{store.port}",
+             "--train-samples", "64", "--test-samples", "32", "--batch-size", "16",
+             "--progress", "off", "--timeout", "10", "--checkpoint-dir", str(tmp_path),
+             *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=150)
+
+    first = serve(0)
+    done = trainer(first, "--epochs", "1")
+    assert done.returncode == 0 and "epoch 1/1" in done.stdout, done.stderr[-2000:]
+    resumed = trainer(serve(0), "--epochs", "2", "--resume", str(tmp_path / "checkpoint.pt"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "from epoch 2, image 0, step 4" in resumed.stdout, resumed.stdout
+    assert "epoch 1/2" not in resumed.stdout and "epoch 2/2" in resumed.stdout
+    late = trainer(first, "--epochs", "2", "--resume", str(tmp_path / "checkpoint.pt"))
+    assert late.returncode == 1
+    assert late.stderr.strip().splitlines()[-1] == ("trainer: error: the job has finished: "
+                                                    "there is nothing to join"), late.stderr

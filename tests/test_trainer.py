@@ -331,6 +331,12 @@ BAD_FLAGS = [
     (["--shards", "dynamic"], "--shards dynamic: --sync allreduce meets every rank in a "
                               "collective every step"),
     (["--local-rank", "-1"], "argument --local-rank: must be 0 or more, got -1"),
+    (["--elastic", "--sync", "topk"], "--elastic --sync topk: its ranks keep state of their "
+                                      "own"),
+    (["--elastic", "--accum-steps", "2"], "--elastic does not take --accum-steps"),
+    (["--elastic"], "--elastic needs the membership store"),
+    (["--elastic", "--store", "nohost"], "--store 'nohost': expected HOST:PORT"),
+    (["--min-ranks", "2"], "--store and --min-ranks belong to --elastic"),
 ]
 
 

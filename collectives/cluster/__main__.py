@@ -10,6 +10,8 @@
         srun -N 4 --ntasks-per-node 2 python -m trainer      (Slurm on the hosts)
     python -m collectives.cluster --hosts 4 --bandwidth 100mbit --cpu-share node3=0.5 \\
         --link node1=10mbit --pause node2@5:10 -- python -m trainer      (hosts not alike)
+    python -m collectives.cluster --hosts 4 --elastic-store --kill node3@60 \
+        --cut node2@90:30 -- python -m trainer --elastic     (hosts that fail; trainer goes on)
     python -m collectives.cluster --cleanup        (remove what killed runs left behind)
 
 Hosts that are not alike (each option may be repeated, HOST is node1 or 1):
@@ -23,6 +25,12 @@ Hosts that are not alike (each option may be repeated, HOST is node1 or 1):
                                 host is frozen for DURATION seconds (cgroup v1 freezer);
                                 it ends by 1e6 s. Under --scheduler slurm, Slurm waits
                                 for a silent host the longest pause + 30 s
+Hosts that fail (collectives/cluster/faults.py):
+    --kill HOST@SECONDS         every process of the host is SIGKILLed; its ranks' exit
+                                status does not count in the job's
+    --cut HOST@SECONDS:DURATION the host's link is down for DURATION seconds, then up
+    --elastic-store             the membership store of an elastic job, on the switch;
+                                the ranks find it in $COLLECTIVES_ELASTIC_STORE
 The first line (stderr) says what the cluster is (here on 2 cores):
     collectives.cluster: run cc1f2e3d: 4 hosts x 1 rank, 100mbit; node3 at 0.5 CPU share
     (0.25 cores); node1 link 10mbit; node2 paused at 5s for 10s
@@ -46,7 +54,10 @@ from ..launch import split_command
 from .cgroups import PERIOD_US, PauseSchedule, quota_us
 from .job import start_mpirun, start_on_login_node, start_ranks
 from .network import ClusterError, ClusterSpec, Network, check_tools, remove_leftovers
-from .options import cpu_share_arg, link_arg, pause_arg, with_hosts_that_differ
+from . import faults
+from .faults import FaultSchedule
+from .options import (cpu_share_arg, host_faults, kill_arg, link_arg, pause_arg,
+                      with_hosts_that_differ)
 from .slurm import MAX_PAUSE, Slurm, check_slurm
 
 STOP_SIGNALS = (signal.SIGHUP, signal.SIGINT, signal.SIGTERM)
@@ -61,7 +72,7 @@ def _ranks_per_host(hosts: Optional[int], per_host: str) -> List[int]:
     return counts
 
 
-def describe(network: Network) -> str:
+def describe(network: Network, kills=(), cuts=()) -> str:
     """The run's first line: what the cluster is, every host that differs included."""
     spec = network.spec
     counts = spec.ranks_per_host
@@ -81,6 +92,7 @@ def describe(network: Network) -> str:
     for pause in sorted(spec.pauses, key=lambda p: (p.at, p.host)):
         parts.append(f"{spec.hostname(pause.host)} paused at {pause.at:g}s for "
                      f"{pause.seconds:g}s")
+    parts += faults.describe(spec, list(kills), list(cuts))
     return f"collectives.cluster: run {network.run}: " + "; ".join(parts)
 
 
@@ -120,6 +132,19 @@ def parse(argv: Sequence[str]):
                              "for DURATION seconds (cgroup v1's freezer); it must end by "
                              "1e6 s. Under --scheduler slurm, Slurm then waits the longest "
                              "pause + 30 s before it marks a silent host down. Repeatable")
+    parser.add_argument("--kill", type=kill_arg, action="append", default=[],
+                        metavar="HOST@SECONDS",
+                        help="SECONDS after the ranks start, SIGKILL every process of HOST "
+                             "(a host that dies); its ranks' exit status does not count in "
+                             "the job's. Repeatable")
+    parser.add_argument("--cut", type=pause_arg, action="append", default=[],
+                        metavar="HOST@SECONDS:DURATION",
+                        help="SECONDS after the ranks start, take HOST's link down for "
+                             "DURATION seconds (nothing in or out), then up. Repeatable")
+    parser.add_argument("--elastic-store", action="store_true",
+                        help="run an elastic job's membership store on the switch, which "
+                             "no host's failure takes down, and give every rank its address "
+                             "in $COLLECTIVES_ELASTIC_STORE (python -m trainer --elastic)")
     parser.add_argument("--launcher", choices=("ranks", "mpirun"), default="ranks",
                         help="ranks (default): start every rank with torchrun's variables; "
                              "mpirun: run COMMAND, an mpirun line, on node0 with ssh "
@@ -146,8 +171,12 @@ def parse(argv: Sequence[str]):
         spec = ClusterSpec(_ranks_per_host(args.hosts, args.ranks_per_host),
                            args.bandwidth, args.latency)
         spec = with_hosts_that_differ(spec, args.cpu_share, args.link, args.pause)
+        args.kill, args.cut = host_faults(spec, args.kill, args.cut)
     except ValueError as error:
         parser.error(str(error))
+    if args.kill and (args.launcher != "ranks" or args.scheduler != "none"):
+        parser.error("--kill: only with the ranks launcher (the default); mpirun and Slurm "
+                     "end the job when a host dies")
     longest = max((pause.seconds for pause in spec.pauses), default=0.0)
     if args.scheduler == "slurm" and longest > MAX_PAUSE:
         parser.error(f"--pause: under --scheduler slurm a pause lasts at most {MAX_PAUSE} s "
@@ -219,28 +248,33 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # Made before anything can fail or be stopped, so `finally` always stops it: a
     # schedule left running could freeze a host while it is being torn down.
     pauses = PauseSchedule(network, spec.pauses)
+    failures = FaultSchedule(network, args.kill, args.cut)
     job = None
     status = 2
     _on_stop_signals(_stop)
     try:
         network.build()
-        print(describe(network), file=sys.stderr, flush=True)
+        print(describe(network, args.kill, args.cut), file=sys.stderr, flush=True)
+        env = ({"COLLECTIVES_ELASTIC_STORE": network.serve_store()}
+               if args.elastic_store else {})
         if args.scheduler == "slurm":
-            job = start_on_login_node(network, command, Slurm(network).start().env())
+            job = start_on_login_node(network, command, {**Slurm(network).start().env(), **env})
         elif args.launcher == "mpirun":
-            job = start_mpirun(network, command)
+            job = start_mpirun(network, command, env)
         else:
-            job = start_ranks(network, command, prefix=not args.no_prefix)
-        pauses.start()  # counts from the ranks' start
-        # The schedule stops as soon as the job's processes are gone, before what they
+            job = start_ranks(network, command, prefix=not args.no_prefix, extra_env=env)
+        pauses.start()  # both count from the ranks' start
+        failures.start()
+        # The schedules stop as soon as the job's processes are gone, before what they
         # left on the hosts is thawed and killed.
-        status = job.wait(ended=pauses.stop)
+        status = job.wait(ended=lambda: (pauses.stop(), failures.stop()),
+                          killed=lambda: failures.killed)
     except ClusterError as error:
         status = _fail(error)
     finally:
         _on_stop_signals(_ignore)
         # The schedule first: it thaws what it froze, and a frozen process cannot die.
-        clean = _clean_up([pauses.stop] + ([job.kill] if job is not None else [])
+        clean = _clean_up([pauses.stop, failures.stop] + ([job.kill] if job is not None else [])
                           + [network.remove])
     return status if clean or status != 0 else 2
 

@@ -37,11 +37,12 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Set
 
 from .network import IFACE, Network, rate_bits
 
@@ -134,8 +135,9 @@ class Job:
     """The processes of one job on `network`; wait() returns the worst exit status."""
 
     def __init__(self, processes: List[subprocess.Popen], names: List[str], prefix: bool,
-                 network: Optional[Network] = None):
+                 network: Optional[Network] = None, hosts: Optional[List[int]] = None):
         self.processes, self.names, self.network = processes, names, network
+        self.hosts = hosts  # each process's host, where each runs on one
         self.pumps: List[_Prefixer] = []
         if prefix:
             for process, name in zip(processes, names):
@@ -146,12 +148,14 @@ class Job:
                     self.pumps.append(pump)
 
     def wait(self, timeout: Optional[float] = None,
-             ended: Optional[Callable[[], None]] = None) -> int:
+             ended: Optional[Callable[[], None]] = None,
+             killed: Callable[[], Set[int]] = set) -> int:
         """Wait until every process of the job has ended (at most `timeout` seconds in
         all: subprocess.TimeoutExpired after that), call `ended` (the job's processes
         are gone, what they left behind still runs: the place to stop whatever acts on
         the hosts, such as a pause schedule), end what they left behind, and return
-        the worst exit status."""
+        the worst exit status, not counting the processes that died of SIGKILL on hosts
+        `killed()` names (killed on purpose; one that had failed before counts)."""
         deadline = None if timeout is None else time.monotonic() + timeout
         codes = [process.wait(None if deadline is None else
                               max(0.0, deadline - time.monotonic()))
@@ -159,7 +163,11 @@ class Job:
         if ended is not None:
             ended()
         self._end_leftovers()
-        return worst_status(codes)
+        dead = killed()
+        counted = [code for index, code in enumerate(codes)
+                   if self.hosts is None or self.hosts[index] not in dead
+                   or code != -signal.SIGKILL]
+        return worst_status(counted or codes)  # every rank killed: the job did not end
 
     def _end_leftovers(self) -> None:
         """Kill what the job left running on the hosts, then let the pumps copy the
@@ -192,7 +200,7 @@ def start_ranks(network: Network, command: Sequence[str], prefix: bool = True,
     spec = network.spec
     base = _cluster_env(network)
     base.update(extra_env or {})
-    processes, names = [], []
+    processes, names, hosts = [], [], []
     for rank, host, local in placement(spec.ranks_per_host):
         env = dict(base, RANK=str(rank), WORLD_SIZE=str(spec.world_size),
                    LOCAL_RANK=str(local), LOCAL_WORLD_SIZE=str(spec.ranks_per_host[host]),
@@ -202,7 +210,8 @@ def start_ranks(network: Network, command: Sequence[str], prefix: bool = True,
         processes.append(subprocess.Popen(network.enter(host) + list(command), env=env,
                                           stdout=pipe, stderr=pipe))
         names.append(f"rank {rank} {spec.hostname(host)}")
-    return Job(processes, names, prefix, network)
+        hosts.append(host)
+    return Job(processes, names, prefix, network, hosts)
 
 
 def rsh_script(network: Network) -> str:

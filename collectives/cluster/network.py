@@ -40,9 +40,11 @@ import json
 import os
 import re
 import secrets
+import select
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
@@ -51,6 +53,9 @@ from . import cgroups
 
 STATE_ROOT = "/run/collectives-cluster"
 SUBNET = "10.200.0"        # host i is SUBNET.(i+1)/24; private to the run's namespaces
+STORE_ADDRESS = f"{SUBNET}.254"  # the switch's own, where --elastic-store serves
+STORE_PORT = 29400
+STORE_START_SECONDS = 60.0  # for the store's first line (python and torch imported)
 IFACE = "eth0"             # each host's NIC
 # TCP hands a veth segments of up to 64 KiB and lets the NIC cut them into frames (TSO/GSO).
 # tbf cuts, in software, every packet larger than its bucket: with a smaller bucket the
@@ -201,6 +206,9 @@ class Network:
     spec: ClusterSpec
     run: str = field(default_factory=lambda: f"cc{secrets.token_hex(3)}")
     owner: int = field(default_factory=os.getpid)
+    # the elastic membership store on the switch, once serve_store() started it
+    store: Optional[subprocess.Popen] = field(default=None, init=False, repr=False,
+                                              compare=False)
 
     # --- names ----------------------------------------------------------------------
     @property
@@ -345,9 +353,10 @@ class Network:
         # Each address also as IPv6 sees it (::ffff:a.b.c.d): torch's store accepts on a
         # dual-stack socket and looks its clients' names up by that form; without it the
         # lookup goes on to DNS, which no host here can reach, and c10d warns on every rank.
+        names = [(self.spec.address(h), self.spec.hostname(h)) for h in range(self.spec.hosts)]
+        names.append((STORE_ADDRESS, "switch"))  # where --elastic-store serves
         lines = ["127.0.0.1 localhost"] + [
-            f"{address} {self.spec.hostname(h)}" for h in range(self.spec.hosts)
-            for address in (self.spec.address(h), f"::ffff:{self.spec.address(h)}")]
+            f"{address} {name}" for ip, name in names for address in (ip, f"::ffff:{ip}")]
         with open(os.path.join(self.etc_dir(host), "hosts"), "w") as hosts:
             hosts.write("\n".join(lines) + "\n")
 
@@ -385,6 +394,34 @@ class Network:
         """Let every process on `host` go on where it stopped."""
         cgroups.thaw(self.cgroup("freezer", host))
 
+    def kill_host(self, host: int) -> None:
+        """SIGKILL every process on `host`, as when a machine dies (a frozen host is
+        thawed first: SIGKILL reaches a frozen process only once it is thawed)."""
+        cgroups.thaw_all([group for group in self.host_cgroups(host) if "freezer" in group])
+        _kill_processes([self.netns(host)])
+
+    def serve_store(self) -> str:
+        """Run the elastic membership store (`python -m collectives.elastic.store`) on
+        the switch, which no host's failure takes down: the switch gets the address
+        STORE_ADDRESS on the hosts' subnet. Returns HOST:PORT, for the ranks'
+        $COLLECTIVES_ELASTIC_STORE; the store goes with the run's processes."""
+        _in(self.switch, f"ip addr add {STORE_ADDRESS}/24 dev switch")
+        log = os.path.join(self.state_dir, "store.log")  # goes with the run's state
+        with open(log, "w") as errors:
+            self.store = subprocess.Popen(
+                ["ip", "netns", "exec", self.switch, sys.executable, "-m",
+                 "collectives.elastic.store", "--port", str(STORE_PORT)],
+                stdout=subprocess.PIPE, stderr=errors, text=True)
+        ready, _, _ = select.select([self.store.stdout], [], [], STORE_START_SECONDS)
+        if not ready or "listening" not in self.store.stdout.readline():  # its first line
+            self.store.kill()
+            self.store.wait()
+            with open(log) as errors:
+                raise ClusterError(f"the membership store did not start on the switch "
+                                   f"within {STORE_START_SECONDS:g} s: "
+                                   f"{errors.read().strip()[-500:]}")
+        return f"{STORE_ADDRESS}:{STORE_PORT}"
+
     # --- tearing it down --------------------------------------------------------------------
     def kill_processes(self) -> None:
         """Kill every process still running on a host: what a job's ranks left behind
@@ -392,6 +429,8 @@ class Network:
         thawed first: SIGKILL reaches a frozen process only once it is thawed."""
         cgroups.thaw_all(self.all_cgroups)
         _kill_processes(self.namespaces)
+        if self.store is not None:  # killed with the switch's processes: reap it
+            self.store.wait(timeout=5)
 
     def remove(self) -> None:
         """Kill what still runs on the hosts, then delete every namespace, link, group

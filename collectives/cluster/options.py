@@ -3,6 +3,8 @@
     --cpu-share HOST=FRACTION        cpu_share_arg     node3=0.5  -> ("node3", 0.5)
     --link HOST=RATE                 link_arg          1=10mbit   -> ("1", "10mbit")
     --pause HOST@SECONDS:DURATION    pause_arg         node2@5:10 -> ("node2", 5.0, 10.0)
+    --cut HOST@SECONDS:DURATION      pause_arg         (the same form)
+    --kill HOST@SECONDS              kill_arg          node1@30   -> ("node1", 30.0)
 
 Each is an argparse `type`: a bad value is one usage error naming it. `as_given` keeps
 the text instead (a command that passes the options on, as trainer.compare does), and
@@ -15,6 +17,7 @@ import argparse
 import dataclasses
 from typing import Callable, Iterable, Tuple
 
+from .faults import Cut, Kill
 from .network import LATEST_PAUSE_END, ClusterSpec, Pause, rate_bits
 
 
@@ -47,9 +50,22 @@ def link_arg(text: str) -> Tuple[str, str]:
     return host, rate
 
 
+def kill_arg(text: str) -> Tuple[str, float]:
+    """--kill HOST@SECONDS -> (HOST, SECONDS), SECONDS >= 0."""
+    host, at = _split(text, "@", "HOST@SECONDS, e.g. node1@30")
+    try:
+        seconds = float(at)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: SECONDS must be a number") from None
+    if not 0 <= seconds <= LATEST_PAUSE_END:
+        raise argparse.ArgumentTypeError(f"{text!r}: SECONDS must be in [0, "
+                                         f"{LATEST_PAUSE_END:.0f}]")
+    return host, seconds
+
+
 def pause_arg(text: str) -> Tuple[str, float, float]:
     """--pause HOST@SECONDS:DURATION -> (HOST, SECONDS, DURATION); the pause must end
-    by LATEST_PAUSE_END seconds after the ranks start."""
+    by LATEST_PAUSE_END seconds after the ranks start. (--cut takes the same form.)"""
     form = "HOST@SECONDS:DURATION, e.g. node1@5:10"
     host, times = _split(text, "@", form)
     at, _, duration = times.partition(":")
@@ -85,6 +101,16 @@ def with_hosts_that_differ(spec: ClusterSpec, cpu_share: Iterable = (),
         cpu_share=_per_host(spec, "--cpu-share", cpu_share),
         pauses=tuple(Pause(_host(spec, "--pause", host), at, seconds)
                      for host, at, seconds in pauses))
+
+
+def host_faults(spec: ClusterSpec, kills: Iterable = (), cuts: Iterable = ()):
+    """([Kill], [Cut]) from the parsed --kill and --cut values; ValueError (naming the
+    option) for a host that does not exist."""
+    cuts = sorted(Cut(_host(spec, "--cut", host), at, seconds) for host, at, seconds in cuts)
+    for first, second in zip(cuts, cuts[1:]):
+        if first.host == second.host and second.at < first.at + first.seconds:
+            raise ValueError(f"--cut: the cuts of {spec.hostname(first.host)} overlap")
+    return [Kill(_host(spec, "--kill", host), at) for host, at in kills], cuts
 
 
 def _host(spec: ClusterSpec, option: str, name: str) -> int:

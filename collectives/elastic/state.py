@@ -72,6 +72,10 @@ class State:
             "counters": {name: getattr(self, name) for name in self.counters}})
 
     def _load(self, saved: Dict[str, Any]) -> None:
+        # Gradients are not state: those of a step that failed (this rank's own, never
+        # reduced) would be added into the first step after it.
+        for parameter in self.model.parameters():
+            parameter.grad = None
         self.model.load_state_dict(saved["model"])
         if self.optimizer is not None:
             self.optimizer.load_state_dict(saved["optimizer"])
@@ -79,6 +83,15 @@ class State:
             setattr(self, name, value)
         self.commits = saved["commits"]
         self._saved = copy.deepcopy(saved)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """A copy of the current state, as a commit keeps it: for a checkpoint."""
+        return self._snapshot()
+
+    def load_state_dict(self, saved: Dict[str, Any]) -> None:
+        """Take `saved` (from state_dict()) as the current state and the last commit:
+        resuming from a checkpoint."""
+        self._load(saved)
 
     def commit(self) -> None:
         """Keep the current state as the one to return to. Collective: then, if newcomers
@@ -136,11 +149,12 @@ def run(train: Callable[[State, ElasticWorld], Any], state: State, world: Elasti
     state.world = world
     if state.commits == 0:  # what the caller loaded into the model since State(...)
         state._saved = state._snapshot()
-    failures = 0
+    failures, member = 0, False
     while True:
         commits_before = state.commits
         try:  # the next generation: join, take the furthest commit, train
             world.join(expected)
+            member = True  # of the job, from here (a resumed state has commits already)
             state.sync(world.comm)  # a newcomer takes the job's state
             result = train(state, world)
             world.finish()  # those who come later are told, not left to train alone
@@ -157,7 +171,7 @@ def run(train: Callable[[State, ElasticWorld], Any], state: State, world: Elasti
         except MembersChanged:
             pass
         except JobFinished:
-            if state.commits == 0:  # a newcomer that came too late
+            if not member:  # a newcomer that came too late
                 raise
             return None  # our last step failed, and the others ended the job
         expected = None  # only the first generation waits for the launcher's count

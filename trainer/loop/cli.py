@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from typing import NoReturn
 
 from collectives import algorithms, sync
 from collectives.launch import add_local_rank_argument
@@ -31,6 +33,12 @@ emulated cluster: its host's NIC, divided by the ranks on that host).
 --metrics FILE appends the same as JSON lines; --checkpoint-dir keeps a checkpoint of
 the latest epoch (written atomically) that --resume continues from exactly.
 """
+
+
+def fail(message: str) -> NoReturn:
+    """End the run with argparse's kind of error: one line, exit code 2."""
+    print(f"trainer: error: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def positive_int(text: str) -> int:
@@ -179,6 +187,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds to wait for a silent peer before failing (default: 300)")
     add_local_rank_argument(comm)  # torch.distributed.launch passes --local-rank=N
 
+    elastic = p.add_argument_group("elastic (ranks may be lost and come; loop/elastic.py)")
+    elastic.add_argument("--elastic", action="store_true",
+                         help="go on when a rank is lost, on the ranks left, from the last "
+                              "step every rank had; take in ranks that come (started the "
+                              "same way) at the next step. Syncs: " + ", ".join(ELASTIC_SYNCS))
+    elastic.add_argument("--store", metavar="HOST:PORT",
+                         help="the membership store (`python -m collectives.elastic.store`), "
+                              "on a host that outlives the ranks (default: "
+                              "$COLLECTIVES_ELASTIC_STORE)")
+    elastic.add_argument("--min-ranks", type=positive_int, default=1,
+                         help="end the job (exit 1, one line) when fewer ranks than this are "
+                              "left (default: 1)")
+
     files = p.add_argument_group("files")
     files.add_argument("--checkpoint-dir",
                        help="save checkpoint.pt here after every epoch (atomically)")
@@ -220,10 +241,34 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--shards dynamic: --sync {args.sync} meets every rank in a collective "
                      "every step (or every period), so every rank must take the same "
                      "number of steps; use --shards static")
+    if args.elastic:
+        refuse_for_elastic(parser, args)
+    elif args.store or args.min_ranks != 1:
+        parser.error("--store and --min-ranks belong to --elastic")
     if torch_peers.is_peer(args.sync) and args.backend == "mpi":
         parser.error(f"--sync {args.sync} is torch's DDP: it runs on torch.distributed "
                      "(--backend gloo or nccl), not on --backend mpi")
     return args
+
+
+# Strategies whose replicas are equal at known steps, so a lost rank's survivors can go
+# back to one: gradient averaging every step, local-sgd at each averaging.
+ELASTIC_SYNCS = ("allreduce", "fp16", "bf16", "local-sgd")
+
+
+def refuse_for_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """What --elastic cannot do yet, as argparse's error (exit 2)."""
+    if args.sync not in ELASTIC_SYNCS:
+        parser.error(f"--elastic --sync {args.sync}: its ranks keep state of their own (a "
+                     "lost rank would take it along); use one of " + ", ".join(ELASTIC_SYNCS))
+    unsupported = {"--amp fp16": args.amp == "fp16", "--accum-steps": args.accum_steps > 1,
+                   "--shards dynamic": args.shards == "dynamic", "--trace": bool(args.trace),
+                   "--backend mpi/nccl": args.backend in ("mpi", "nccl"),
+                   "--eval-only": args.eval_only, "--skip-nonfinite": args.skip_nonfinite,
+                   "--shm on": args.shm == "on"}
+    for flag, given in unsupported.items():
+        if given:
+            parser.error(f"--elastic does not take {flag}")
 
 
 def create_sync(args: argparse.Namespace):

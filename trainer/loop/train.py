@@ -42,28 +42,28 @@ import contextlib
 import copy
 import json
 import os
-import random
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, List, NamedTuple, NoReturn, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Subset
+from torch.utils.data import DataLoader
 from torch.utils.data.distributed import DistributedSampler
 
 import collectives
 from collectives import trace
-from collectives.sync.local_sgd import averaged_tensors  # what model averaging averages
 from .. import torch_peers
 from ..timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 from . import checkpoint, data
-from .cli import create_sync, parse_args
+from .cli import create_sync, fail, parse_args
 from .dynamic_shards import ClaimCounter, DynamicShards, progress_schedule
+from .elastic import train_elastic
 from .progress import progress
-from .models import build_model
+from .evaluation import autocast, evaluate, evaluated_copy
+from .models import build_model, seed_everything
 
 
 def main(argv=None) -> None:
@@ -72,13 +72,18 @@ def main(argv=None) -> None:
         train(argv)
     except collectives.PeerError as error:
         print(f"trainer: error: rank {collectives.get_comm().rank}: {error}", file=sys.stderr)
-        collectives.abort(1)  # under mpirun, ends every rank (a hung one too)
+        collectives.abort(1, caused_elsewhere=True)  # under mpirun, ends every rank too
 
 
 def train(argv=None) -> None:
     """One run, as its steps: set up, resume or evaluate a checkpoint, then the epochs."""
     args = parse_args(argv)  # a bad flag: argparse's error, exit 2
     split, saved = load_inputs(args)
+    if args.elastic:  # generations of ranks that come and go: elastic.py
+        if saved is not None:
+            check_state_flags(args, saved)
+        train_elastic(args, split, saved)
+        return
     comm = connect(args)
     run = setup(args, split, comm)
     first_epoch, accuracy = 1, 0.0
@@ -146,12 +151,6 @@ class Run:
             print(*args, **kwargs)
 
 
-def fail(message: str) -> NoReturn:
-    """End the run with argparse's kind of error: one line, exit code 2."""
-    print(f"trainer: error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def load_inputs(args: argparse.Namespace) -> Tuple[data.DataSplit, Optional[dict]]:
     """The dataset's splits, and the --resume checkpoint (None without one), read and
     checked: everything that can be wrong is checked before any rank connects or writes
@@ -164,7 +163,7 @@ def load_inputs(args: argparse.Namespace) -> Tuple[data.DataSplit, Optional[dict
         return split, None
     if not os.path.isfile(args.resume):
         fail(f"--resume {args.resume}: no such checkpoint file")
-    return split, read_checkpoint(args.resume, args.eval_only)
+    return split, read_checkpoint(args.resume, args.eval_only, args.elastic)
 
 
 # What a checkpoint must hold to be resumed, and, for each rank, in "ranks".
@@ -178,16 +177,22 @@ STATE_FLAGS = ("arch", "dataset", "sync", "sync_option", "amp", "shards")
 FLAGS_BEFORE_THEY_EXISTED = {"shards": "static"}
 
 
-def read_checkpoint(path: str, eval_only: bool) -> dict:
+def read_checkpoint(path: str, eval_only: bool, elastic: bool = False) -> dict:
     """The checkpoint at `path`, checked to hold what --resume (or --eval-only, which
     needs only the model and its epoch) will read. A checkpoint of an older format
-    (one state for all ranks, no "ranks") is refused with a clear line."""
+    (one state for all ranks, no "ranks") is refused with a clear line, and so is one
+    of an --elastic run resumed without --elastic, or the other way round."""
     try:
         saved = checkpoint.load(path)
     except Exception as error:  # not a file torch.save wrote: say so, not a traceback
         fail(f"--resume {path}: not a checkpoint this trainer can read "
              f"({type(error).__name__}: {error})")
-    needed = ("model", "epoch") if eval_only else CHECKPOINT_KEYS
+    written_elastic = isinstance(saved, dict) and "elastic" in saved
+    if not eval_only and written_elastic != elastic:
+        fail(f"--resume {path}: written by a run {'with' if written_elastic else 'without'} "
+             f"--elastic: resume it {'with' if written_elastic else 'without'} --elastic")
+    needed = (("model", "epoch") if eval_only else
+              ("model", "epoch", "elastic") if elastic else CHECKPOINT_KEYS)
     missing = [key for key in needed if not isinstance(saved, dict) or key not in saved]
     if "ranks" in missing and "model" not in missing:
         fail(f"--resume {path}: a checkpoint of an older format (no per-rank states, "
@@ -203,13 +208,6 @@ def connect(args: argparse.Namespace):
         return collectives.init(backend=args.backend, timeout=args.timeout, shm=args.shm)
     except collectives.LaunchError as error:
         fail(str(error))
-
-
-def seed_everything(seed: int) -> None:
-    """The same seed for torch, numpy and Python on every rank: the same initial weights."""
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
 
 
 def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
@@ -316,12 +314,7 @@ def resume(run: Run, saved: dict) -> None:
             key not in state for state in saved["ranks"] for key in RANK_KEYS):
         fail(f"--resume {path}: not a trainer checkpoint (\"ranks\" should hold "
              f"{world} state(s), each with {', '.join(RANK_KEYS)})")
-    for flag in STATE_FLAGS:  # the state saved belongs to these flags' strategy and model
-        before = saved["args"].get(flag, FLAGS_BEFORE_THEY_EXISTED.get(flag))
-        now = getattr(run.args, flag)
-        if before != now:
-            fail(f"--resume {path}: saved with --{flag.replace('_', '-')} {before}, resumed "
-                 f"with {now}: its model and strategy state belong to the flags that saved it")
+    check_state_flags(run.args, saved)
     mine = saved["ranks"][run.comm.rank]
     run.model.load_state_dict(mine["model"])
     run.optimizer.load_state_dict(mine["optimizer"])
@@ -330,6 +323,18 @@ def resume(run: Run, saved: dict) -> None:
     run.strategy.load_state_dict(mine["strategy"])
     run.step = mine.get("step", saved["step"])  # a rank's own count (--shards dynamic)
     checkpoint.restore_rng_state(mine["rng"])
+
+
+def check_state_flags(args: argparse.Namespace, saved: dict) -> None:
+    """The state saved belongs to the strategy and model of the flags that saved it
+    (STATE_FLAGS): a resume with others ends the run with one line."""
+    for flag in STATE_FLAGS:
+        before = saved["args"].get(flag, FLAGS_BEFORE_THEY_EXISTED.get(flag))
+        now = getattr(args, flag)
+        if before != now:
+            fail(f"--resume {args.resume}: saved with --{flag.replace('_', '-')} {before}, "
+                 f"resumed with {now}: its model and strategy state belong to the flags "
+                 "that saved it")
 
 
 def evaluate_checkpoint(run: Run, saved: dict) -> None:
@@ -406,14 +411,6 @@ def trace_only_chosen_steps(run: Run) -> None:
         (trace.resume if first <= run.step + 1 <= last else trace.pause)()
 
 
-def autocast(device: torch.device, amp: str):
-    """--amp: forward in bf16 or fp16 where torch deems it safe, or in fp32 (off)."""
-    if amp == "off":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
-
-
 def forward_backward(run: Run, images: torch.Tensor, labels: torch.Tensor,
                      synchronise: bool) -> float:
     """One micro-batch's forward and backward; its gradients are synchronised only when
@@ -480,50 +477,9 @@ def skip_step(run: Run) -> None:
 # --- evaluate, report, save ------------------------------------------------------------
 
 def evaluated_model(run: Run) -> torch.nn.Module:
-    """A copy of the model this run stands for, the same on every rank: what each epoch
-    evaluates and checkpoints. The replica that trains is left as it is, so evaluation
-    never changes training.
-
-    Which model that is depends on the strategy:
-    - Gradients averaged every step (allreduce, fp16, bf16, topk, powersgd, delayed,
-      torch's ddp, ddp-fp16, ddp-bf16, ddp-powersgd): the replicas hold the same
-      parameters and differ only in BatchNorm's running statistics, which each rank
-      updated from its own batches. DDP's next forward would take rank 0's, so the
-      copy does: rank 0's model.
-    - Replicas that drift apart (`replicas_differ`: local-sgd between averagings,
-      gossip, async-avg, torch's ddp-localsgd): no rank's replica is the run's model;
-      their average is (what local SGD computes every period, and what gossip and
-      asynchronous averaging converge to). The copy holds the mean over the ranks of
-      the parameters and floating-point buffers; integer buffers (BatchNorm's
-      num_batches_tracked: the same count on every rank, but for --shards dynamic,
-      where each rank counts its own steps) are rank 0's.
-    """
-    model = copy.deepcopy(run.model)  # parameters and buffers; no gradients, no hooks
-    buffers = list(model.buffers())
-    if run.strategy.replicas_differ:
-        collectives.all_reduce_coalesced(averaged_tensors(model), op="avg", comm=run.comm)
-        buffers = [b for b in buffers if not b.is_floating_point()]
-    collectives.broadcast_coalesced(buffers, src=0, comm=run.comm)
-    return model
-
-
-def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, amp: str):
-    """(accuracy, mean loss) of `model` over the whole test split: every rank scores the
-    same model on every n-th image, and the counts are summed."""
-    mine = Subset(test_set, range(comm.rank, len(test_set), comm.world_size))
-    totals = torch.zeros(3, dtype=torch.float64)  # correct, count, summed loss
-    model.eval()
-    with torch.no_grad():
-        for images, labels in DataLoader(mine, batch_size=max(batch_size, 128)):
-            images, labels = images.to(device), labels.to(device)
-            with autocast(device, amp):
-                logits = model(images)
-            totals[0] += (logits.argmax(1) == labels).sum().item()
-            totals[1] += labels.numel()
-            totals[2] += F.cross_entropy(logits.float(), labels, reduction="sum").item()
-    model.train()
-    collectives.all_reduce(totals, op="sum", algorithm="auto", comm=comm, check=False)
-    return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / max(totals[1].item(), 1)
+    """The model this run stands for, as a copy the same on every rank: what each epoch
+    evaluates and checkpoints (evaluation.evaluated_copy says which model that is)."""
+    return evaluated_copy(run.model, run.strategy, run.comm)
 
 
 def summarise_epoch(run: Run, epoch: int, trained: EpochTrained, accuracy: float) -> dict:
