@@ -19,6 +19,7 @@ lost store stops the next change, not the training.
 """
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from datetime import timedelta
@@ -98,7 +99,9 @@ class ElasticWorld:
         return bool(waiting.item())
 
     def drop(self) -> None:
-        """Let go of the current communicator (its connections close)."""
+        """Let go of the current communicator: its connections close once nothing refers
+        to its gloo group, which is when the peers still waiting on this rank learn
+        that it has moved on (at once, not at their timeout)."""
         if self.comm is not None:
             if _world._default is self.comm:  # ours as the default: no longer
                 set_comm(None)
@@ -107,6 +110,10 @@ class ElasticWorld:
             except Exception:  # a transport half torn down by a dead peer
                 pass
             self.comm = None
+            # What trained over it (a DDP's hooks and buckets, a strategy) may still hold
+            # it in reference cycles, which only the collector frees. A thread still
+            # inside one of its calls holds it too, and keeps it: nothing is closed under it.
+            gc.collect()
 
     def finish(self) -> None:
         """The job is done: newcomers are turned away (see Membership.finish). Best
