@@ -39,10 +39,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
-import threading
 import time
 from typing import List, Optional, Sequence
+
+from .schedule import Schedule, say
 
 CGROUP_ROOT = "/sys/fs/cgroup"
 PERIOD_US = 100_000          # cpu.cfs_period_us: the quota is granted per 100 ms
@@ -218,81 +218,37 @@ def _read(path: str) -> str:
         return file.read().strip()
 
 
-class PauseSchedule:
-    """Freezes hosts and thaws them on time, on a daemon thread: each pause is
-    (host, seconds after start(), duration). stop() ends the schedule early and thaws
-    every host it froze, so a job that ends first never leaves a host frozen; the
-    thread itself thaws them too if anything stops it (an error, a closed stderr)."""
+class PauseSchedule(Schedule):
+    """Freezes hosts and thaws them on time (schedule.py): each pause is (host, seconds
+    after start(), duration). stop() ends the schedule early and thaws every host it
+    froze, so a job that ends first never leaves a host frozen; the thread itself thaws
+    them too if anything stops it (an error, a closed stderr)."""
+    what = "pauses"
+    join_seconds = FREEZE_SECONDS + 1
 
     def __init__(self, network, pauses):
-        self.network = network
-        events = [(p.at, 1, "freeze", p.host) for p in pauses] + \
-                 [(p.at + p.seconds, 0, "thaw", p.host) for p in pauses]
-        self.events = sorted(events)  # at one time, thaw (0) before freeze (1)
+        # at one time, thaw (0) before freeze (1)
+        super().__init__(network, [(p.at, 1, "freeze", p.host) for p in pauses]
+                         + [(p.at + p.seconds, 0, "thaw", p.host) for p in pauses])
         self.frozen = set()
-        self.stopped = threading.Event()
-        self.lock = threading.Lock()  # one freeze or thaw at a time, stop() included
-        self.thread = threading.Thread(target=self._run, daemon=True, name="pauses")
 
-    def start(self) -> "PauseSchedule":
-        self.started = time.monotonic()
-        if self.events:
-            self.thread.start()
-        return self
+    def apply(self, action: str, host: int, now: str) -> None:
+        name = self.network.spec.hostname(host)
+        if action == "freeze":
+            self.frozen.add(host)  # before freezing: a failed freeze is thawed too
+            done = self.network.freeze(host)
+            say(f"{name} paused at {now}"
+                + ("" if done else " (not all of its processes froze in time)"))
+        else:
+            self.network.thaw(host)
+            self.frozen.discard(host)
+            say(f"{name} resumed at {now}")
 
-    def _run(self) -> None:
-        try:
-            self._follow()
-        except CgroupError as error:  # the group went away: the run is being removed
-            _say(f"pauses stopped: {error}")
-        except Exception as error:  # whatever it was, no host may stay frozen for it
-            _say(f"pauses stopped: {type(error).__name__}: {error}")
-        finally:
-            with self.lock:
-                self._thaw_frozen()
-
-    def _follow(self) -> None:
-        name = self.network.spec.hostname
-        for at, _, action, host in self.events:
-            if self.stopped.wait(max(0.0, self.started + at - time.monotonic())):
-                return
-            with self.lock:
-                if self.stopped.is_set():
-                    return
-                if action == "freeze":
-                    self.frozen.add(host)  # before freezing: a failed freeze is thawed too
-                    done = self.network.freeze(host)
-                    _say(f"{name(host)} paused at {time.monotonic() - self.started:.1f} s"
-                         + ("" if done else " (not all of its processes froze in time)"))
-                else:
-                    self.network.thaw(host)
-                    self.frozen.discard(host)
-                    _say(f"{name(host)} resumed at {time.monotonic() - self.started:.1f} s")
-
-    def _thaw_frozen(self) -> None:
-        """Thaw every host the schedule froze, each one whatever happens to another
-        (call with the lock held)."""
+    def undo(self) -> None:
+        """Thaw every host the schedule froze, each one whatever happens to another."""
         for host in sorted(self.frozen):
             try:
                 self.network.thaw(host)
             except Exception as error:
-                _say(f"cannot thaw {self.network.spec.hostname(host)}: {error}")
+                say(f"cannot thaw {self.network.spec.hostname(host)}: {error}")
             self.frozen.discard(host)
-
-    def stop(self) -> None:
-        """End the schedule and thaw every host it has frozen. Never raises: it runs
-        in clean-up, which must go on."""
-        self.stopped.set()
-        with self.lock:
-            self._thaw_frozen()
-        if self.thread.is_alive():
-            self.thread.join(FREEZE_SECONDS + 1)
-
-
-def _say(line: str) -> None:
-    """One line on stderr; nothing if stderr is gone (a closed pipe, a closed file):
-    the pause thread must go on to thaw what it froze."""
-    try:
-        print(f"collectives.cluster: {line}", file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
