@@ -113,6 +113,12 @@ class SyncStrategy:
     def after_step(self, model: torch.nn.Module, step: int) -> None:
         """The optimizer has stepped; `step` counts from 1."""
 
+    def replicas_equal_after(self, step: int) -> bool:
+        """Does every rank hold the same parameters once after_step(step) has run: a
+        point an elastic job can commit and go back to? Always, unless the replicas
+        drift apart (then a subclass names the steps where they meet)."""
+        return not self.replicas_differ
+
     def settle(self) -> None:
         """Collective: wait until the communication this strategy runs in the
         background has finished on every rank, so that its bytes and seconds belong to

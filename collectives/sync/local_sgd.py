@@ -50,9 +50,16 @@ class LocalSGD(AllReduce):
         if self.steps_done < self.warmup_steps:  # synchronous warm-up: average gradients
             super().reduce_bucket(flat)
 
+    def averages_after(self, step: int) -> bool:
+        """Is `step` one after which the replicas are averaged?"""
+        return step > self.warmup_steps and (step - self.warmup_steps) % self.period == 0
+
+    def replicas_equal_after(self, step: int) -> bool:
+        return step <= self.warmup_steps or self.averages_after(step)  # warm-up: synchronous
+
     def after_step(self, model: torch.nn.Module, step: int) -> None:
         self.steps_done = step
-        if step > self.warmup_steps and (step - self.warmup_steps) % self.period == 0:
+        if self.averages_after(step):
             api.all_reduce_coalesced(averaged_tensors(model), op="avg",
                                      algorithm=self.algorithm, comm=self.comm)
 

@@ -148,8 +148,12 @@ def progress_schedule(optimizer: torch.optim.Optimizer, shards: DynamicShards,
     total = epochs * shards.claims_per_epoch
 
     def factor(_steps_of_this_rank: int) -> float:
-        if not cosine:
-            return 1.0
-        return 0.5 * (1.0 + math.cos(math.pi * min(shards.position, total) / total))
+        return cosine_decay(shards.position / total) if cosine else 1.0
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=factor)
+
+
+def cosine_decay(progress: float) -> float:
+    """The learning rate's factor at `progress` (0: the start, 1: the end of the run):
+    cosine decay from 1 to 0, and 0 after the end."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))

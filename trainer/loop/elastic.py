@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -52,6 +51,7 @@ from collectives.transport import PeerError
 from collectives.sync.local_sgd import averaged_tensors
 from . import checkpoint, data
 from .cli import create_sync, fail
+from .dynamic_shards import cosine_decay
 from .evaluation import evaluate, evaluated_copy
 from .models import build_model, seed_everything
 
@@ -78,16 +78,7 @@ def progress_factor(args: argparse.Namespace, state: State, images: int) -> floa
     the same whatever the number of ranks."""
     if args.schedule == "constant":
         return 1.0
-    done = (state.epoch - 1) * images + state.done
-    return 0.5 * (1.0 + math.cos(math.pi * min(done / (args.epochs * images), 1.0)))
-
-
-def consistent(strategy, step: int) -> bool:
-    """Are the replicas equal after optimizer step `step`: a point to commit?"""
-    if hasattr(strategy, "period"):  # local-sgd: during warm-up and at each averaging
-        warmup = strategy.warmup_steps
-        return step <= warmup or (step - warmup) % strategy.period == 0
-    return True  # gradients averaged every step
+    return cosine_decay(((state.epoch - 1) * images + state.done) / (args.epochs * images))
 
 
 def train_elastic(args: argparse.Namespace, split: data.DataSplit,
@@ -208,7 +199,7 @@ def train_rest_of_epoch(args, split, state: State, ddp, strategy, comm) -> dict:
         optimizer.zero_grad(set_to_none=True)
         pending += torch.tensor([loss.item(), 1.0], dtype=torch.float64)
         state.done += args.batch_size * comm.world_size
-        if consistent(strategy, state.step):
+        if strategy.replicas_equal_after(state.step):  # a point to go back to
             since = add_figures(state, pending, since, comm)
             state.strategy = strategy.state_dict()
             state.commit()  # collective: newcomers waiting end this generation here
