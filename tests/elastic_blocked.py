@@ -1,9 +1,11 @@
 """Two members of an elastic world, for tests/test_elastic.py: `waiter` blocks receiving
-from `dropper`, which drops its communicator instead of sending (as a survivor does
-when it moves on to the next generation). Prints how long the waiter waited for its
-PeerError; its timeout is 60 s.
+from the other, which drops its communicator instead of sending (as a survivor does
+when it moves on to the next generation). `dropper` lets go of it; `holder` drops it
+as after a failure while still holding a reference (as a thread stuck in one of its
+calls, or a traceback, would). Prints how long the waiter waited for its PeerError;
+its timeout is 60 s.
 
-    python elastic_blocked.py PORT waiter|dropper
+    python elastic_blocked.py PORT waiter|dropper|holder
 """
 import sys
 import time
@@ -20,9 +22,10 @@ def main():
     comm = world.join(expected=2)
     collectives.broadcast(torch.zeros(1), src=0, comm=comm)  # both are connected
     other = 1 - comm.rank
-    if role == "dropper":
+    if role in ("dropper", "holder"):
         time.sleep(1.0)  # the waiter is blocked by now
-        world.drop()
+        held = comm.pg if role == "holder" else None  # noqa: F841 (its gloo group, kept)
+        world.drop(failed=role == "holder")
         time.sleep(15.0)  # alive, beating, and no longer in that communicator
     else:
         started = time.monotonic()

@@ -122,15 +122,45 @@ def test_sync_gives_every_member_the_furthest_commit_not_rank_0s():
         assert (step, commits) == (2, 2) and torch.equal(weight, expected), (step, weight)
 
 
+def sync_sends_only_where_commits_differ(comm, alike):
+    """Every rank commits the same steps; `alike` False: rank 2's weights differ (as a
+    newcomer resumed from another run's checkpoint with as many commits would). Returns
+    how many broadcasts sync made and the weight it ended with."""
+    from collectives.elastic import state as elastic_state
+    model = torch.nn.Linear(3, 1)
+    with torch.no_grad():
+        model.weight.fill_(2.0 if comm.rank == 2 and not alike else 1.0)
+    state = elastic_state.State(model, torch.optim.SGD(model.parameters(), lr=0.1), step=0)
+    state.step += 1
+    state.commit()
+    calls, broadcast = [], elastic_state.api.broadcast
+    elastic_state.api.broadcast = lambda *a, **k: calls.append(1) or broadcast(*a, **k)
+    try:
+        state.sync(comm)
+    finally:
+        elastic_state.api.broadcast = broadcast
+    return len(calls), model.weight.detach().clone()
+
+
 @pytest.mark.timeout(120)
-def test_a_member_that_drops_its_communicator_ends_a_peers_wait_at_once(tmp_path):
+@pytest.mark.parametrize("alike", [True, False])
+def test_sync_sends_the_state_only_where_members_hold_different_commits(alike):
+    results = run_world(sync_sends_only_where_commits_differ, 3, timeout=100, args=(alike,))
+    for broadcasts, weight in results:
+        assert broadcasts == (0 if alike else 2), results
+        assert torch.equal(weight, torch.ones(1, 3)), results  # rank 0's, on every rank
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("role", ["dropper", "holder"])
+def test_a_member_that_drops_its_communicator_ends_a_peers_wait_at_once(tmp_path, role):
     store = serve(0)
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     members = [subprocess.Popen([sys.executable, os.path.join(HERE, "elastic_blocked.py"),
                                  str(store.port), role], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, env=env)
-               for role in ("waiter", "dropper")]
+               for role in ("waiter", role)]
     try:
         out, err = members[0].communicate(timeout=100)
     finally:

@@ -98,15 +98,17 @@ class ElasticWorld:
         api.broadcast(waiting, src=0, comm=self.comm)
         return bool(waiting.item())
 
-    def drop(self) -> None:
-        """Let go of the current communicator: its connections close once nothing refers
-        to its gloo group, which is when the peers still waiting on this rank learn
-        that it has moved on (at once, not at their timeout)."""
+    def drop(self, failed: bool = False) -> None:
+        """Let go of the current communicator. After a failure (`failed`) its
+        connections are closed at once (Transport.abort), so that the peers still
+        waiting on this rank learn that it has moved on now, not at their timeout, even
+        while something still refers to the communicator. Otherwise they close once
+        nothing refers to its gloo group."""
         if self.comm is not None:
             if _world._default is self.comm:  # ours as the default: no longer
                 set_comm(None)
             try:
-                self.comm.close()
+                self.comm.abort() if failed else self.comm.close()
             except Exception:  # a transport half torn down by a dead peer
                 pass
             self.comm = None

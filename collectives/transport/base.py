@@ -395,6 +395,13 @@ class Transport:
     def close(self) -> None:
         """Release the backend's resources. The transport cannot be used afterwards."""
 
+    def abort(self) -> None:
+        """Give up on the communicator after a failure: like close(), but without the
+        courtesies a clean end keeps, so that peers still waiting on this rank learn at
+        once that it has gone (gloo closes its connections). Messages in flight may be
+        lost: only for a communicator no one will use again."""
+        self.close()
+
     @property
     def name(self) -> str:
         """The backend, plus how point-to-point bytes travel when not the backend's way

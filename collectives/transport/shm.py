@@ -786,6 +786,10 @@ class ShmTransport(Transport):
         self.segments = {}
         self.inner.close()
 
+    def abort(self) -> None:
+        self.inner.abort()  # the network's connections first: peers learn at once
+        self.close()
+
 
 def want_shm(setting: Optional[str]) -> Optional[bool]:
     """Read the shm setting: True (required), False (off) or None (use it when possible).

@@ -19,8 +19,11 @@ PeerError naming the peer.
 """
 from __future__ import annotations
 
+import os
+import socket
+import weakref
 from datetime import timedelta
-from typing import Dict, List, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -44,6 +47,37 @@ def _peer_error(what: str, error: RuntimeError, timeout: timedelta) -> PeerError
         first_line = (f"no answer within the timeout of "
                       f"{timeout.total_seconds():g} s ({first_line})")
     return PeerError(f"{what} failed: {first_line}")
+
+
+def tcp_sockets() -> Dict[int, int]:
+    """This process's open sockets: {inode: file descriptor}, read from /proc (empty
+    where there is none)."""
+    found: Dict[int, int] = {}
+    try:
+        descriptors = os.listdir("/proc/self/fd")
+    except OSError:
+        return found
+    for fd in descriptors:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith("socket:["):
+            found[int(target[8:-1])] = int(fd)
+    return found
+
+
+def shut_down_sockets(inodes: Set[int]) -> None:
+    """shutdown(2) the sockets with these inodes, where still open: the peer reads the
+    end of the stream at once; the descriptor stays open for its owner to close."""
+    for inode, fd in tcp_sockets().items():
+        if inode in inodes:
+            try:
+                with socket.socket(fileno=os.dup(fd)) as twin:  # same connection, own fd
+                    twin.getpeername()  # a listener has none: left alone
+                    twin.shutdown(socket.SHUT_RDWR)
+            except OSError:  # not connected, or gone in between
+                pass
 
 
 class _TorchHandle(Handle):
@@ -114,6 +148,8 @@ class TorchDistTransport(Transport):
         self._pg = group
         self.store = store  # set only for a gloo instance of ours: duplicates come from it
         self.duplicates = 0
+        self.twins: "weakref.WeakSet[TorchDistTransport]" = weakref.WeakSet()  # abort() ends them too
+        self.sockets: Set[int] = set()  # over_store: the inodes of the group's TCP sockets
         # nccl's batch_isend_irecv addresses peers by their rank in the default group
         self.global_ranks = (list(range(world_size)) if group is None or store is not None
                              else dist.get_process_group_ranks(group))
@@ -133,11 +169,13 @@ class TorchDistTransport(Transport):
                    timeout: timedelta, prefix: str = "collectives") -> "TorchDistTransport":
         """gloo on an instance of our own, built from a torch.distributed store (every
         rank of the group calls this with the same store and prefix)."""
+        before = tcp_sockets()
         gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/", store), rank,
                                      world_size, timeout)
         transport = cls("gloo", rank, world_size, local_rank, torch.device("cpu"), timeout,
                         group=gloo, owns_group=False, store=store)
         transport.prefix = prefix
+        transport.sockets = set(tcp_sockets()) - set(before)  # the group's connections
         return transport
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
@@ -215,11 +253,25 @@ class TorchDistTransport(Transport):
     def _duplicate(self) -> "TorchDistTransport":
         if self.store is not None:  # a gloo instance of ours: another one beside it
             self.duplicates += 1
-            return self.over_store(self.store, self.rank, self.world_size, self.local_rank,
+            twin = self.over_store(self.store, self.rank, self.world_size, self.local_rank,
                                    self.timeout, f"{self.prefix}/dup{self.duplicates}")
+            self.twins.add(twin)
+            return twin
         group = _members_only_group(self.global_ranks, self.backend, self.timeout)
         return TorchDistTransport(self.backend, self.rank, self.world_size, self.local_rank,
                                   self.device, self.timeout, group, owns_group=False)
+
+    def abort(self) -> None:
+        """A gloo instance of ours (and its duplicates): end its connections now, so that
+        a peer blocked on one of them fails at once instead of at its timeout, even while
+        something here still holds the group (a pending receive does). gloo closes them
+        only when the group is freed: its abort() and shutdown() leave them open
+        (measured, torch 2.14), so the sockets it opened are shut down here. Any other
+        group: close()."""
+        if self.store is not None:
+            for transport in (self, *list(self.twins)):
+                shut_down_sockets(transport.sockets)
+        self.close()
 
     def close(self) -> None:
         if self.store is not None:
