@@ -26,7 +26,7 @@ def main():
         time.sleep(1.0)  # the waiter is blocked by now
         held = comm.pg if role == "holder" else None  # noqa: F841 (its gloo group, kept)
         world.drop(failed=role == "holder")
-        time.sleep(15.0)  # alive, beating, and no longer in that communicator
+        time.sleep(8.0)  # alive, beating, and no longer in that communicator
     else:
         started = time.monotonic()
         try:

@@ -127,9 +127,10 @@ def sync_sends_only_where_commits_differ(comm, alike):
     newcomer resumed from another run's checkpoint with as many commits would). Returns
     how many broadcasts sync made and the weight it ended with."""
     from collectives.elastic import state as elastic_state
-    model = torch.nn.Linear(3, 1)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.BatchNorm1d(1))
     with torch.no_grad():
-        model.weight.fill_(2.0 if comm.rank == 2 and not alike else 1.0)
+        model[0].weight.fill_(2.0 if comm.rank == 2 and not alike else 1.0)
+        model[1].running_mean.fill_(comm.rank)  # each rank's own statistics: not state
     state = elastic_state.State(model, torch.optim.SGD(model.parameters(), lr=0.1), step=0)
     state.step += 1
     state.commit()
@@ -139,7 +140,18 @@ def sync_sends_only_where_commits_differ(comm, alike):
         state.sync(comm)
     finally:
         elastic_state.api.broadcast = broadcast
-    return len(calls), model.weight.detach().clone()
+    return len(calls), model[0].weight.detach().clone()
+
+
+def test_the_digest_tells_apart_what_feeds_the_same_values():
+    from collectives.elastic.state import _digest
+    pairs = [([12, 3], [1, 23]), ([[1], 2], [1, [2]]), ({}, []), ((1, 2), [1, 2]),
+             (torch.zeros(2, dtype=torch.float32), torch.zeros(1, dtype=torch.float64)),
+             (torch.zeros(2, 3), torch.zeros(3, 2)), ({"a": 1}, {"a": 1.0})]
+    for one, other in pairs:
+        assert _digest(one) != _digest(other), (one, other)
+    assert _digest({"b": torch.ones(3), "a": [1, 2.5]}) == \
+        _digest({"a": [1, 2.5], "b": torch.ones(3)})  # the same state, keys in any order
 
 
 @pytest.mark.timeout(120)
@@ -163,12 +175,14 @@ def test_a_member_that_drops_its_communicator_ends_a_peers_wait_at_once(tmp_path
                for role in ("waiter", role)]
     try:
         out, err = members[0].communicate(timeout=100)
+        _, dropped = members[1].communicate(timeout=60)
     finally:
         for member in members:
             member.kill()
     waited = [line for line in out.splitlines() if line.startswith("waited")]
     assert waited, out + err[-2000:]
     assert float(waited[0].split()[1]) < 5.0, waited[0]  # not the 60 s timeout
+    assert members[1].returncode == 0, dropped[-2000:]  # and the one that let go lives on
 
 
 # --- python -m trainer --elastic ---------------------------------------------------------

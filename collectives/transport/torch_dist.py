@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import socket
-import weakref
 from datetime import timedelta
 from typing import Dict, List, Set, Tuple
 
@@ -49,7 +48,7 @@ def _peer_error(what: str, error: RuntimeError, timeout: timedelta) -> PeerError
     return PeerError(f"{what} failed: {first_line}")
 
 
-def tcp_sockets() -> Dict[int, int]:
+def open_sockets() -> Dict[int, int]:
     """This process's open sockets: {inode: file descriptor}, read from /proc (empty
     where there is none)."""
     found: Dict[int, int] = {}
@@ -67,17 +66,38 @@ def tcp_sockets() -> Dict[int, int]:
     return found
 
 
+def connections_opened_by(make, store_port: int = -1):
+    """(make(), the inodes of the TCP connections this process opened while it ran),
+    leaving out those to `store_port`: another thread connecting to the store then."""
+    before = open_sockets()
+    made = make()
+    opened = set()
+    for inode, fd in open_sockets().items():
+        if inode in before:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as twin:
+                peer = twin.getpeername()  # a listener has none
+                if (twin.family in (socket.AF_INET, socket.AF_INET6)
+                        and twin.type == socket.SOCK_STREAM and peer[1] != store_port):
+                    opened.add(inode)
+        except OSError:
+            continue
+    return made, opened
+
+
 def shut_down_sockets(inodes: Set[int]) -> None:
     """shutdown(2) the sockets with these inodes, where still open: the peer reads the
     end of the stream at once; the descriptor stays open for its owner to close."""
-    for inode, fd in tcp_sockets().items():
-        if inode in inodes:
-            try:
-                with socket.socket(fileno=os.dup(fd)) as twin:  # same connection, own fd
-                    twin.getpeername()  # a listener has none: left alone
+    for inode, fd in open_sockets().items():
+        if inode not in inodes:
+            continue
+        try:
+            with socket.socket(fileno=os.dup(fd)) as twin:  # same connection, own fd
+                if os.fstat(twin.fileno()).st_ino == inode:  # not a number reused since
                     twin.shutdown(socket.SHUT_RDWR)
-            except OSError:  # not connected, or gone in between
-                pass
+        except OSError:  # gone in between
+            pass
 
 
 class _TorchHandle(Handle):
@@ -148,8 +168,9 @@ class TorchDistTransport(Transport):
         self._pg = group
         self.store = store  # set only for a gloo instance of ours: duplicates come from it
         self.duplicates = 0
-        self.twins: "weakref.WeakSet[TorchDistTransport]" = weakref.WeakSet()  # abort() ends them too
-        self.sockets: Set[int] = set()  # over_store: the inodes of the group's TCP sockets
+        # over_store: the inodes of the group's TCP connections, and of its duplicates'
+        # (a set shared by a group and every duplicate made from it): abort() ends them
+        self.sockets: Set[int] = set()
         # nccl's batch_isend_irecv addresses peers by their rank in the default group
         self.global_ranks = (list(range(world_size)) if group is None or store is not None
                              else dist.get_process_group_ranks(group))
@@ -169,13 +190,14 @@ class TorchDistTransport(Transport):
                    timeout: timedelta, prefix: str = "collectives") -> "TorchDistTransport":
         """gloo on an instance of our own, built from a torch.distributed store (every
         rank of the group calls this with the same store and prefix)."""
-        before = tcp_sockets()
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/", store), rank,
-                                     world_size, timeout)
+        gloo, connections = connections_opened_by(
+            lambda: dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/", store), rank,
+                                          world_size, timeout),
+            store_port=getattr(store, "port", -1))
         transport = cls("gloo", rank, world_size, local_rank, torch.device("cpu"), timeout,
                         group=gloo, owns_group=False, store=store)
         transport.prefix = prefix
-        transport.sockets = set(tcp_sockets()) - set(before)  # the group's connections
+        transport.sockets = connections  # gloo connects every pair as it is made
         return transport
 
     def _isend(self, tensor: torch.Tensor, dst: int) -> Handle:
@@ -255,7 +277,8 @@ class TorchDistTransport(Transport):
             self.duplicates += 1
             twin = self.over_store(self.store, self.rank, self.world_size, self.local_rank,
                                    self.timeout, f"{self.prefix}/dup{self.duplicates}")
-            self.twins.add(twin)
+            self.sockets.update(twin.sockets)
+            twin.sockets = self.sockets  # the family's: an abort of either ends all
             return twin
         group = _members_only_group(self.global_ranks, self.backend, self.timeout)
         return TorchDistTransport(self.backend, self.rank, self.world_size, self.local_rank,
@@ -269,8 +292,7 @@ class TorchDistTransport(Transport):
         (measured, torch 2.14), so the sockets it opened are shut down here. Any other
         group: close()."""
         if self.store is not None:
-            for transport in (self, *list(self.twins)):
-                shut_down_sockets(transport.sockets)
+            shut_down_sockets(self.sockets)
         self.close()
 
     def close(self) -> None:

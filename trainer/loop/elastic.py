@@ -215,12 +215,12 @@ def add_figures(state: State, pending: torch.Tensor, since: float, comm) -> floa
     """Add the steps since the last commit to the epoch's figures, the same on every rank
     (collective: summed over the ranks), so that a commit holds them with the steps.
     Returns the time it counted to."""
-    totals = pending.clone()
+    now = time.perf_counter()  # each rank's own seconds, averaged: the same everywhere
+    totals = torch.cat([pending, torch.tensor([now - since], dtype=torch.float64)])
     collectives.all_reduce(totals, op="sum", algorithm="auto", comm=comm, check=False)
-    now = time.perf_counter()
     state.epoch_loss += totals[0].item()
     state.epoch_batches += int(totals[1].item())
-    state.epoch_seconds += now - since
+    state.epoch_seconds += totals[2].item() / comm.world_size
     pending.zero_()
     return now
 

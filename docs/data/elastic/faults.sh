@@ -1,6 +1,6 @@
 #!/bin/bash
 # The elastic trainer on 4 emulated hosts at 100 Mbit/s under host faults (docs/elastic.md).
-#   bash docs/data/elastic/faults.sh OUT_DIR [SYNC ...]       (from the project root, as root)
+#   [CASES="kill cut"] bash docs/data/elastic/faults.sh OUT_DIR [SYNC ...]   (project root, as root)
 # Each job: its output in OUT_DIR/<sync>-<case>.log, every line stamped with the seconds
 # since the job started (on arrival at the launcher), and its epochs in
 # OUT_DIR/<sync>-<case>.jsonl; one line per job in OUT_DIR/summary.txt.
@@ -22,7 +22,7 @@ for line in sys.stdin:
 for sync in $syncs; do
   options=""
   [ "$sync" = local-sgd ] && options="--sync-option period=8"
-  for case in none kill cut three during-rejoin; do
+  for case in ${CASES:-none kill cut three during-rejoin}; do
     rm -f "$out/$sync-$case.jsonl"
     start=$(date +%s.%N)
     python -m collectives.cluster --hosts 4 --bandwidth 100mbit --elastic-store ${faults[$case]} -- \
