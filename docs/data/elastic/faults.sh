@@ -15,10 +15,6 @@ declare -A faults=(
   [three]="--cut node1@40:40 --kill node3@150 --cut node2@200:40"
   [during-rejoin]="--cut node2@40:40 --kill node1@85"
 )
-stamp='import sys, time
-start = time.monotonic()
-for line in sys.stdin:
-    print(f"{time.monotonic() - start:7.1f} {line}", end="", flush=True)'
 for sync in $syncs; do
   options=""
   [ "$sync" = local-sgd ] && options="--sync-option period=8"
@@ -28,7 +24,7 @@ for sync in $syncs; do
     python -m collectives.cluster --hosts 4 --bandwidth 100mbit --elastic-store ${faults[$case]} -- \
       python -m trainer --elastic --dataset mnist --data-dir ../shared/data --train-samples 2048 \
       --test-samples 500 --epochs 3 --timeout 30 --progress off --sync "$sync" $options \
-      --metrics "$out/$sync-$case.jsonl" 2>&1 | python -u -c "$stamp" > "$out/$sync-$case.log"
+      --metrics "$out/$sync-$case.jsonl" 2>&1 | python -u docs/data/elastic/stamp.py > "$out/$sync-$case.log"
     status=${PIPESTATUS[0]}
     echo "$sync $case exit $status $(python -c "print(round($(date +%s.%N) - $start, 1))") s" | tee -a "$out/summary.txt"
   done
