@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 
@@ -125,7 +126,8 @@ def test_sync_gives_every_member_the_furthest_commit_not_rank_0s():
 def sync_sends_only_where_commits_differ(comm, alike):
     """Every rank commits the same steps; `alike` False: rank 2's weights differ (as a
     newcomer resumed from another run's checkpoint with as many commits would). Returns
-    how many broadcasts sync made and the weight it ended with."""
+    whether sync sent the whole state (a torch.save payload: uint8), the weight and the
+    running mean it ended with."""
     from collectives.elastic import state as elastic_state
     model = torch.nn.Sequential(torch.nn.Linear(3, 1), torch.nn.BatchNorm1d(1))
     with torch.no_grad():
@@ -134,20 +136,23 @@ def sync_sends_only_where_commits_differ(comm, alike):
     state = elastic_state.State(model, torch.optim.SGD(model.parameters(), lr=0.1), step=0)
     state.step += 1
     state.commit()
-    calls, broadcast = [], elastic_state.api.broadcast
-    elastic_state.api.broadcast = lambda *a, **k: calls.append(1) or broadcast(*a, **k)
+    dtypes, broadcast = [], elastic_state.api.broadcast
+    elastic_state.api.broadcast = lambda *a, **k: dtypes.append(a[0].dtype) or broadcast(*a, **k)
     try:
         state.sync(comm)
     finally:
         elastic_state.api.broadcast = broadcast
-    return len(calls), model[0].weight.detach().clone()
+    return (torch.uint8 in dtypes, model[0].weight.detach().clone(),
+            model[1].running_mean.detach().clone())
 
 
 def test_the_digest_tells_apart_what_feeds_the_same_values():
     from collectives.elastic.state import _digest
     pairs = [([12, 3], [1, 23]), ([[1], 2], [1, [2]]), ({}, []), ((1, 2), [1, 2]),
              (torch.zeros(2, dtype=torch.float32), torch.zeros(1, dtype=torch.float64)),
-             (torch.zeros(2, 3), torch.zeros(3, 2)), ({"a": 1}, {"a": 1.0})]
+             (torch.zeros(2, 3), torch.zeros(3, 2)), ({"a": 1}, {"a": 1.0}),
+             (np.zeros(2000), np.concatenate([np.zeros(1999), [1e-9]])),
+             (np.float64(0.1234567891), np.float64(0.1234567892))]
     for one, other in pairs:
         assert _digest(one) != _digest(other), (one, other)
     assert _digest({"b": torch.ones(3), "a": [1, 2.5]}) == \
@@ -158,9 +163,10 @@ def test_the_digest_tells_apart_what_feeds_the_same_values():
 @pytest.mark.parametrize("alike", [True, False])
 def test_sync_sends_the_state_only_where_members_hold_different_commits(alike):
     results = run_world(sync_sends_only_where_commits_differ, 3, timeout=100, args=(alike,))
-    for broadcasts, weight in results:
-        assert broadcasts == (0 if alike else 2), results
+    for sent_state, weight, running_mean in results:
+        assert sent_state == (not alike), results
         assert torch.equal(weight, torch.ones(1, 3)), results  # rank 0's, on every rank
+        assert torch.equal(running_mean, torch.zeros(1)), results  # and its buffers
 
 
 @pytest.mark.timeout(120)

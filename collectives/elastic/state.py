@@ -34,10 +34,12 @@ from __future__ import annotations
 import copy
 import hashlib
 import io
+import pickle
 import secrets
 import sys
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 
 from .. import api
@@ -107,6 +109,13 @@ class State:
         """Back to the last commit."""
         self._load(self._saved)
 
+    def _buffer_names(self) -> List[str]:
+        """The model's buffers in its state_dict (every alias; the non-persistent ones are
+        not there), in a fixed order."""
+        saved = self._saved["model"]
+        return sorted({name for name, _ in self.model.named_buffers(remove_duplicate=False)
+                       if name in saved})
+
     def furthest(self, comm) -> Tuple[int, bool]:
         """Collective: the rank whose last commit is furthest on (the most commits; of
         those, the lowest rank), and whether every member holds that very commit: the
@@ -114,8 +123,7 @@ class State:
         (the survivors of a failure usually do). Buffers are left out: BatchNorm's
         running statistics are each rank's own between DDP's broadcasts of rank 0's.
         A newcomer has no commits."""
-        commits = self._saved["commits"]
-        buffers = {name for name, _ in self.model.named_buffers()}
+        commits, buffers = self._saved["commits"], self._buffer_names()
         digest = _digest({key: value for key, value in self._saved.items() if key != "model"},
                          {name: value for name, value in self._saved["model"].items()
                           if name not in buffers})
@@ -136,7 +144,9 @@ class State:
         furthest member's, and nothing is sent where every member holds it already."""
         if src is None:
             src, alike = self.furthest(comm)
-            if alike:
+            if alike:  # only the buffers differ: rank 0's, as DDP's forward would give
+                api.broadcast_coalesced([self._saved["model"][name] for name in
+                                         self._buffer_names()], src=0, comm=comm)
                 self.restore()
                 return
         payload = torch.zeros(1, dtype=torch.int64)
@@ -183,8 +193,14 @@ def _digest(*values: Any) -> int:
             hasher.update(f"{len(value)}\0".encode())
             for item in value:
                 feed(item)
-        else:
-            hasher.update(repr(value).encode() + b"\0")
+        elif isinstance(value, (np.ndarray, np.generic)):
+            array = np.ascontiguousarray(value)
+            hasher.update(f"{array.dtype}{array.shape}\0".encode())
+            hasher.update(array.tobytes())
+        elif value is None or isinstance(value, (bool, int, float, complex, str, bytes)):
+            hasher.update(repr(value).encode() + b"\0")  # exact for these
+        else:  # anything else: its pickle (a value that cannot be pickled: sent, below)
+            hasher.update(pickle.dumps(value, protocol=4))
 
     try:
         feed(values)

@@ -76,7 +76,7 @@ def connections_opened_by(make, store_port: int = -1):
         if inode in before:
             continue
         try:
-            with socket.socket(fileno=os.dup(fd)) as twin:
+            with _socket_of(fd) as twin:
                 peer = twin.getpeername()  # a listener has none
                 if (twin.family in (socket.AF_INET, socket.AF_INET6)
                         and twin.type == socket.SOCK_STREAM and peer[1] != store_port):
@@ -86,6 +86,17 @@ def connections_opened_by(make, store_port: int = -1):
     return made, opened
 
 
+def _socket_of(fd: int) -> socket.socket:
+    """A socket object on a duplicate of `fd`: the same connection, a descriptor of its
+    own to close. OSError if `fd` is no longer a socket (the duplicate is closed then)."""
+    duplicate = os.dup(fd)
+    try:
+        return socket.socket(fileno=duplicate)
+    except OSError:
+        os.close(duplicate)
+        raise
+
+
 def shut_down_sockets(inodes: Set[int]) -> None:
     """shutdown(2) the sockets with these inodes, where still open: the peer reads the
     end of the stream at once; the descriptor stays open for its owner to close."""
@@ -93,7 +104,7 @@ def shut_down_sockets(inodes: Set[int]) -> None:
         if inode not in inodes:
             continue
         try:
-            with socket.socket(fileno=os.dup(fd)) as twin:  # same connection, own fd
+            with _socket_of(fd) as twin:
                 if os.fstat(twin.fileno()).st_ino == inode:  # not a number reused since
                     twin.shutdown(socket.SHUT_RDWR)
         except OSError:  # gone in between
@@ -289,8 +300,9 @@ class TorchDistTransport(Transport):
         a peer blocked on one of them fails at once instead of at its timeout, even while
         something here still holds the group (a pending receive does). gloo closes them
         only when the group is freed: its abort() and shutdown() leave them open
-        (measured, torch 2.14), so the sockets it opened are shut down here. Any other
-        group: close()."""
+        (measured, torch 2.14), so the sockets it opened are shut down here. (With
+        TORCH_GLOO_LAZY_INIT=1 gloo connects later, and none are known: peers then
+        wait for their timeout.) Any other group: close()."""
         if self.store is not None:
             shut_down_sockets(self.sockets)
         self.close()
