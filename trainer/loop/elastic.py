@@ -143,9 +143,10 @@ def train_generation(args: argparse.Namespace, split: data.DataSplit, state: Sta
         strategy.load_state_dict(state.strategy)
     ddp = None
     try:
-        ddp = collectives.DistributedDataParallel(  # run() gave every member the same
-            state.model, sync=strategy, bucket_cap_mb=args.bucket_mb, comm=comm,  # commit:
-            init_sync=False)                                                      # no broadcast
+        # run() gave every member the same commit: DDP need not broadcast it again
+        ddp = collectives.DistributedDataParallel(state.model, sync=strategy,
+                                                  bucket_cap_mb=args.bucket_mb, comm=comm,
+                                                  init_sync=False)
         while state.epoch <= args.epochs:
             record = train_rest_of_epoch(args, split, state, ddp, strategy, comm)
             if strategy.replicas_differ:  # local-sgd: the epoch ends with an averaging,
