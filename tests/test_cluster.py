@@ -11,6 +11,7 @@ import re
 import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -292,6 +293,46 @@ def test_cli_one_host_prefixes_output_and_returns_the_worst_status():
     lines = sorted(done.stdout.splitlines())
     assert lines == ["[rank 0 node0]: node0", "[rank 0 node0]: rank 0 of 2",
                      "[rank 1 node0]: node0", "[rank 1 node0]: rank 1 of 2"], done.stdout
+
+
+SERVICE = """
+import socket, sys
+server = socket.create_server(("", 29655))
+print("serving", flush=True)
+while True:
+    peer, _ = server.accept()
+    peer.sendall(socket.gethostname().encode())
+    peer.close()
+"""
+
+CLIENT = """
+import socket, time
+for _ in range(200):
+    try:
+        with socket.create_connection(("switch", 29655), timeout=2) as service:
+            print("the switch says", service.recv(100).decode())
+            break
+    except OSError:
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_on_switch_runs_a_service_every_host_reaches_and_removes_it_with_the_run():
+    """--on-switch: the command runs in the switch's namespace (so a host's cut or kill
+    cannot take it down), every rank reaches it at the name `switch`, its output goes
+    to the launcher's stderr, and it is gone when the job ends."""
+    mark = secrets.token_hex(4)
+    done = run_cli("--hosts", "2", "--on-switch", f"{sys.executable} -c '{SERVICE}'", "--",
+                   sys.executable, "-c", CLIENT, env={**os.environ, MARK: mark})
+    assert done.returncode == 0, done.stderr
+    switch_name = socket.gethostname()  # the switch's namespace keeps this machine's name
+    assert sorted(done.stdout.splitlines()) == [
+        f"[rank 0 node0]: the switch says {switch_name}",
+        f"[rank 1 node1]: the switch says {switch_name}"], done.stdout + done.stderr
+    assert "on the switch: " in done.stderr.splitlines()[0]
+    assert "serving" in done.stderr
+    assert marked_processes(mark) == []
 
 
 def runs_owned_by(pid):
@@ -691,12 +732,14 @@ def test_bad_host_options_are_usage_errors_before_anything_is_built(args, messag
 def test_the_first_line_names_every_host_that_differs():
     args, _, spec = parse(["--hosts", "4", "--bandwidth", "100mbit", "--cpu-share", "node3=0.5",
                            "--link", "1=10mbit", "--pause", "node2@5:10", "--kill", "node3@60",
-                           "--cut", "1@90:30", "--", "true"])
-    line = describe(Network(spec, run="cc000000"), args.kill, args.cut)
+                           "--cut", "1@90:30", "--on-switch", "torchft_lighthouse --min_replicas 2",
+                           "--", "true"])
+    line = describe(Network(spec, run="cc000000"), args.kill, args.cut, args.on_switch)
     cores = 0.5 * min(1, cgroups.usable_cores() / 4)  # 0.25 on 2 cores, 0.5 on 4 or more
     assert line == (f"collectives.cluster: run cc000000: 4 hosts x 1 rank, 100mbit; node3 at "
                     f"0.5 CPU share ({cores:.3g} core{'s' * (cores != 1)}); node1 link 10mbit; "
-                    "node2 paused at 5s for 10s; node3 killed at 60s; node1 cut at 90s for 30s")
+                    "node2 paused at 5s for 10s; node3 killed at 60s; node1 cut at 90s for 30s; "
+                    "on the switch: torchft_lighthouse --min_replicas 2")
 
 
 @pytest.mark.parametrize("option,spec", [

@@ -31,6 +31,10 @@ Hosts that fail (collectives/cluster/faults.py):
     --cut HOST@SECONDS:DURATION the host's link is down for DURATION seconds, then up
     --elastic-store             the membership store of an elastic job, on the switch;
                                 the ranks find it in $COLLECTIVES_ELASTIC_STORE
+    --on-switch COMMAND         run COMMAND (a shell line) on the switch, which no
+                                host's failure takes down, for the job's lifetime: a
+                                service the ranks reach at the name `switch`, such as
+                                torchft's lighthouse (`torchft_lighthouse --min_replicas 2`)
 The first line (stderr) says what the cluster is (here on 2 cores):
     collectives.cluster: run cc1f2e3d: 4 hosts x 1 rank, 100mbit; node3 at 0.5 CPU share
     (0.25 cores); node1 link 10mbit; node2 paused at 5s for 10s
@@ -72,7 +76,7 @@ def _ranks_per_host(hosts: Optional[int], per_host: str) -> List[int]:
     return counts
 
 
-def describe(network: Network, kills=(), cuts=()) -> str:
+def describe(network: Network, kills=(), cuts=(), on_switch=()) -> str:
     """The run's first line: what the cluster is, every host that differs included."""
     spec = network.spec
     counts = spec.ranks_per_host
@@ -93,6 +97,7 @@ def describe(network: Network, kills=(), cuts=()) -> str:
         parts.append(f"{spec.hostname(pause.host)} paused at {pause.at:g}s for "
                      f"{pause.seconds:g}s")
     parts += faults.describe(spec, list(kills), list(cuts))
+    parts += [f"on the switch: {command}" for command in on_switch]
     return f"collectives.cluster: run {network.run}: " + "; ".join(parts)
 
 
@@ -145,6 +150,10 @@ def parse(argv: Sequence[str]):
                         help="run an elastic job's membership store on the switch, which "
                              "no host's failure takes down, and give every rank its address "
                              "in $COLLECTIVES_ELASTIC_STORE (python -m trainer --elastic)")
+    parser.add_argument("--on-switch", action="append", default=[], metavar="COMMAND",
+                        help="run COMMAND (a shell line) on the switch, which no host's "
+                             "failure takes down, while the job runs: a service the ranks "
+                             "reach at the name `switch`. Repeatable")
     parser.add_argument("--launcher", choices=("ranks", "mpirun"), default="ranks",
                         help="ranks (default): start every rank with torchrun's variables; "
                              "mpirun: run COMMAND, an mpirun line, on node0 with ssh "
@@ -254,9 +263,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _on_stop_signals(_stop)
     try:
         network.build()
-        print(describe(network, args.kill, args.cut), file=sys.stderr, flush=True)
+        print(describe(network, args.kill, args.cut, args.on_switch), file=sys.stderr,
+              flush=True)
         env = ({"COLLECTIVES_ELASTIC_STORE": network.serve_store()}
                if args.elastic_store else {})
+        for command_line in args.on_switch:
+            network.serve_command(command_line)
         if args.scheduler == "slurm":
             job = start_on_login_node(network, command, {**Slurm(network).start().env(), **env})
         elif args.launcher == "mpirun":

@@ -53,7 +53,7 @@ from . import cgroups
 
 STATE_ROOT = "/run/collectives-cluster"
 SUBNET = "10.200.0"        # host i is SUBNET.(i+1)/24; private to the run's namespaces
-STORE_ADDRESS = f"{SUBNET}.254"  # the switch's own, where --elastic-store serves
+SWITCH_ADDRESS = f"{SUBNET}.254"  # the switch's own: --elastic-store and --on-switch serve there
 STORE_PORT = 29400
 STORE_START_SECONDS = 60.0  # for the store's first line (python and torch imported)
 IFACE = "eth0"             # each host's NIC
@@ -209,6 +209,9 @@ class Network:
     # the elastic membership store on the switch, once serve_store() started it
     store: Optional[subprocess.Popen] = field(default=None, init=False, repr=False,
                                               compare=False)
+    # the commands serve_command() started on the switch
+    services: List[subprocess.Popen] = field(default_factory=list, init=False, repr=False,
+                                             compare=False)
 
     # --- names ----------------------------------------------------------------------
     @property
@@ -293,7 +296,7 @@ class Network:
         commands = [f"netns add {self.netns(h)}" for h in range(spec.hosts)]
         _run(["ip", "-batch", "-"], stdin="\n".join(commands) + "\n")
         _in(self.switch, "ip link add switch type bridge && ip link set switch up "
-                         "&& ip link set lo up")
+                         f"&& ip link set lo up && ip addr add {SWITCH_ADDRESS}/24 dev switch")
         for host in range(spec.hosts):
             port = spec.hostname(host)  # the switch's port towards this host
             _run(["ip", "link", "add", IFACE, "netns", self.netns(host), "type", "veth",
@@ -354,7 +357,7 @@ class Network:
         # dual-stack socket and looks its clients' names up by that form; without it the
         # lookup goes on to DNS, which no host here can reach, and c10d warns on every rank.
         names = [(self.spec.address(h), self.spec.hostname(h)) for h in range(self.spec.hosts)]
-        names.append((STORE_ADDRESS, "switch"))  # where --elastic-store serves
+        names.append((SWITCH_ADDRESS, "switch"))  # where --elastic-store and --on-switch serve
         lines = ["127.0.0.1 localhost"] + [
             f"{address} {name}" for ip, name in names for address in (ip, f"::ffff:{ip}")]
         with open(os.path.join(self.etc_dir(host), "hosts"), "w") as hosts:
@@ -402,10 +405,8 @@ class Network:
 
     def serve_store(self) -> str:
         """Run the elastic membership store (`python -m collectives.elastic.store`) on
-        the switch, which no host's failure takes down: the switch gets the address
-        STORE_ADDRESS on the hosts' subnet. Returns HOST:PORT, for the ranks'
-        $COLLECTIVES_ELASTIC_STORE; the store goes with the run's processes."""
-        _in(self.switch, f"ip addr add {STORE_ADDRESS}/24 dev switch")
+        the switch, which no host's failure takes down. Returns HOST:PORT, for the
+        ranks' $COLLECTIVES_ELASTIC_STORE; the store goes with the run's processes."""
         log = os.path.join(self.state_dir, "store.log")  # goes with the run's state
         with open(log, "w") as errors:
             self.store = subprocess.Popen(
@@ -420,7 +421,16 @@ class Network:
                 raise ClusterError(f"the membership store did not start on the switch "
                                    f"within {STORE_START_SECONDS:g} s: "
                                    f"{errors.read().strip()[-500:]}")
-        return f"{STORE_ADDRESS}:{STORE_PORT}"
+        return f"{SWITCH_ADDRESS}:{STORE_PORT}"
+
+    def serve_command(self, command: str) -> None:
+        """Run a shell command on the switch, which no host's failure takes down: a
+        service the job's ranks reach at `switch` (SWITCH_ADDRESS), such as torchft's
+        lighthouse. Its output goes to this launcher's stderr; it goes with the run's
+        processes."""
+        self.services.append(subprocess.Popen(
+            ["ip", "netns", "exec", self.switch, "sh", "-c", command],
+            stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr))
 
     # --- tearing it down --------------------------------------------------------------------
     def kill_processes(self) -> None:
@@ -429,8 +439,9 @@ class Network:
         thawed first: SIGKILL reaches a frozen process only once it is thawed."""
         cgroups.thaw_all(self.all_cgroups)
         _kill_processes(self.namespaces)
-        if self.store is not None:  # killed with the switch's processes: reap it
-            self.store.wait(timeout=5)
+        for served in [self.store] + self.services:  # killed with the switch's: reap them
+            if served is not None:
+                served.wait(timeout=5)
 
     def remove(self) -> None:
         """Kill what still runs on the hosts, then delete every namespace, link, group
