@@ -21,9 +21,13 @@ set("g/slot/i", my id). The generation's list is written once (compare_set on
 
 Dead means its heartbeat stopped. Each member runs a thread that adds 1 to "beat/<id>"
 every `beat` seconds; a counter that has not moved for `dead_after` seconds, by the
-watcher's own clock, is a dead member (so the hosts' clocks need not agree). A member
-still blocked in a collective that a dead peer never finished is alive, and is waited
-for: it registers as soon as its own call fails (the transport's timeout at most).
+watcher's own clock, is a dead member (so the hosts' clocks need not agree). The same
+thread reads the counters of the other members of its generation at every beat, so a
+member that stopped beating while the others were still inside a step (a cut link,
+found only at the transport's timeout) is known dead as soon as they ask, not
+`dead_after` later. A member still blocked in a collective that a dead peer never
+finished is alive, and is waited for: it registers as soon as its own call fails (the
+transport's timeout at most).
 
 A member that registered after the list was written is not in it; it registers for the
 next generation, and the members learn of it at their next step boundary
@@ -102,6 +106,10 @@ class Membership:
         self.store = self._connect()
         self.store_id = self._store_id(self.store)  # a restarted store is another store
         self.view: Optional[View] = None
+        # member -> (its beat counter, when we last saw it move): by the heartbeat
+        # thread for the generation's members, and by whoever waits for a list
+        self._seen: Dict[str, Tuple[int, float]] = {}
+        self._seen_lock = threading.Lock()
         self._stop = threading.Event()
         self._heart = threading.Thread(target=self._beat, name="membership heartbeat",
                                        daemon=True)
@@ -160,9 +168,22 @@ class Membership:
             try:
                 store = store or self._connect()
                 store.add(f"beat/{self.me}", 1)
+                others = [m for m in (self.view.members if self.view else ()) if m != self.me]
+                for member in others:  # watched all along (see the module docstring)
+                    self._moved(member, store.add(f"beat/{member}", 0), time.monotonic())
             except (RuntimeError, MembershipError):
                 store = None  # unreachable for now; the others may take us for dead
             self._stop.wait(self.beat)
+
+    def _moved(self, member: str, counter: int, now: float) -> bool:
+        """Note `member`'s beat counter as read at `now`; True if it moved since last
+        read (or was never read: it counts as moving now)."""
+        with self._seen_lock:
+            seen = self._seen.get(member)
+            if seen is None or seen[0] != counter:
+                self._seen[member] = (counter, now)
+                return True
+            return False
 
     # --- generations ------------------------------------------------------------------
 
@@ -271,7 +292,6 @@ class Membership:
 
     def _wait_for_list(self, generation: int, expected: Optional[int]) -> List[str]:
         """Poll until generation's list is written; write it ourselves once complete."""
-        beats: Dict[str, Tuple[int, float]] = {}  # member -> (counter, when it last moved)
         last_count, last_change = -1, time.monotonic()
         short_since: Optional[float] = None
         first_seen = time.monotonic()
@@ -293,9 +313,8 @@ class Membership:
             if count != last_count:  # a slot taken, its id maybe not written yet
                 last_count, last_change = count, now
             # registered, but dead since: not in the list (its communicator would wait)
-            registered = [m for m in registered if not self._dead(m, beats, now)]
-            missing = [m for m in previous if m not in registered
-                       and not self._dead(m, beats, now)]
+            registered = [m for m in registered if not self._dead(m, now)]
+            missing = [m for m in previous if m not in registered and not self._dead(m, now)]
             enough = len(registered) >= self.min_ranks
             if expected is not None:  # all the launcher started; after `timeout`, those here
                 quiet = len(registered) >= expected or now - first_seen > self.timeout
@@ -315,13 +334,12 @@ class Membership:
                 short_since = None
             time.sleep(0.05)
 
-    def _dead(self, member: str, beats: Dict[str, Tuple[int, float]], now: float) -> bool:
-        counter = self._call("add", f"beat/{member}", 0)
-        seen = beats.get(member)
-        if seen is None or seen[0] != counter:
-            beats[member] = (counter, now)
+    def _dead(self, member: str, now: float) -> bool:
+        """Its counter, read now, has not moved for dead_after (by our clock)."""
+        if self._moved(member, self._call("add", f"beat/{member}", 0), now):
             return False
-        return now - seen[1] >= self.dead_after
+        with self._seen_lock:
+            return now - self._seen[member][1] >= self.dead_after
 
     def _close(self, generation: int, registered: List[str], previous: List[str]) -> None:
         """Write generation's list, once: survivors in their old order, then newcomers

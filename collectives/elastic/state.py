@@ -234,9 +234,12 @@ def run(train: Callable[[State, ElasticWorld], Any], state: State, world: Elasti
             world.drop(failed=True)  # the members still waiting on us learn it now
             failures = 0 if state.commits > commits_before else failures + 1
             generation = world.view.generation if world.view else "-"
+            # the error names ranks of the generation: say who they were
+            ranks = (", ".join(f"{rank} {member}" for rank, member
+                               in enumerate(world.view.members)) if world.view else "-")
             print(f"collectives.elastic: {world.membership.me}: generation {generation}: "
-                  f"{str(error).splitlines()[0]}; forming the next", file=sys.stderr,
-                  flush=True)
+                  f"{str(error).splitlines()[0]}; forming the next (its ranks: {ranks})",
+                  file=sys.stderr, flush=True)
             if failures >= attempts:
                 raise
             state.restore()
