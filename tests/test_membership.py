@@ -80,6 +80,31 @@ def test_a_member_silent_since_the_step_began_is_known_dead_when_the_others_ask(
 
 
 @pytest.mark.timeout(60)
+def test_a_member_back_from_silence_is_taken_in_before_its_heartbeat_resumes(store):
+    """A member whose link was cut comes back and registers before its heartbeat thread
+    reaches the store again. The others watched it fall silent for longer than
+    dead_after; its registration and its waiting are beats of their own, so it is
+    alive and in the next generation."""
+    group = members(store, ["a", "b", "c"], dead_after=2.0)
+    join_all(group, expected=3)
+    group[2]._stop.set()  # c's heartbeat thread stops (c itself goes on)
+    group[2]._heart.join()
+    time.sleep(3.0)  # silent for longer than dead_after, as the others see it
+    views = {}
+    joining = [threading.Thread(target=lambda m=m: views.update({m.me: m.join()}), daemon=True)
+               for m in group]  # daemons: a member left waiting fails the test, not hangs it
+    for thread in joining:
+        thread.start()
+    for thread in joining:
+        thread.join(timeout=20.0)
+    assert sorted(views) == ["a", "b", "c"], f"left waiting: {set('abc') - set(views)}"
+    assert {v.members for v in views.values()} == {views["a"].members}
+    assert sorted(views["a"].members) == ["a", "b", "c"]
+    for m in group:
+        m.leave()
+
+
+@pytest.mark.timeout(60)
 def test_a_live_member_is_waited_for_until_it_registers(store):
     # b is alive (beating) but blocked, say in a collective, for 2 s past dead_after
     group = members(store, ["a", "b", "c"])

@@ -265,6 +265,10 @@ class Membership:
         deadline = time.monotonic() + self.timeout
         while True:
             try:
+                # a beat of our own first: a member coming back (its link was cut) may
+                # register before its heartbeat thread reaches the store again, and the
+                # others, who watched it fall silent, would take it for dead
+                self._call("add", f"beat/{self.me}", 1, retry=False)
                 slot = self._call("add", _key(generation, "count"), 1, retry=False) - 1
                 self._call("set", _key(generation, f"slot/{slot}"), self.me)
                 return
@@ -294,8 +298,11 @@ class Membership:
         """Poll until generation's list is written; write it ourselves once complete."""
         last_count, last_change = -1, time.monotonic()
         short_since: Optional[float] = None
-        first_seen = time.monotonic()
+        first_seen = last_beat = time.monotonic()
         while True:
+            if time.monotonic() - last_beat >= self.beat:  # waiting is beating too, for
+                self._call("add", f"beat/{self.me}", 1)    # a heartbeat thread still
+                last_beat = time.monotonic()               # reconnecting
             written = self.members_of(generation)
             if written is not None:
                 return written
