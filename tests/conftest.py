@@ -6,7 +6,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 # MPICH keeps its shared memory in /dev/shm/mpich_shm_* and removes it at exit; ranks
 # the tests kill on purpose leave theirs behind. Removed at the end of the session:
-# those that appeared during it and that no live process still maps.
+# those that appeared during it and that no live process still maps. Only where the
+# whole session ends (not in a pytest-xdist worker, while others may still start
+# MPICH jobs), and only on a system with /dev/shm and /proc.
 SHM = "/dev/shm"
 
 
@@ -35,9 +37,11 @@ def pytest_sessionstart(session):
 
 
 def pytest_sessionfinish(session, exitstatus):
-    new = {os.path.join(SHM, name) for name in
-           _mpich_segments() - getattr(session.config, "mpich_segments_before", set())}
-    for path in new - _mapped(new):
+    before = getattr(session.config, "mpich_segments_before", None)
+    if before is None or hasattr(session.config, "workerinput") or not os.path.isdir("/proc"):
+        return
+    new = {os.path.join(SHM, name) for name in _mpich_segments() - before}
+    for path in (new - _mapped(new)) if new else ():
         try:
             os.unlink(path)
         except OSError:

@@ -335,6 +335,16 @@ def test_on_switch_runs_a_service_every_host_reaches_and_removes_it_with_the_run
     assert marked_processes(mark) == []
 
 
+@pytest.mark.timeout(60)
+def test_an_on_switch_command_that_fails_at_once_is_one_line_and_exit_2():
+    mark = secrets.token_hex(4)
+    done = run_cli("--hosts", "1", "--on-switch", "exit 3", "--", "true",
+                   env={**os.environ, MARK: mark})
+    assert done.returncode == 2, done.stderr
+    assert "--on-switch 'exit 3' exited at once (status 3)" in done.stderr
+    assert marked_processes(mark) == []
+
+
 def runs_owned_by(pid):
     """The names of the cluster runs whose launcher is `pid` (from their state files)."""
     runs = []

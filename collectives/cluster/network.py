@@ -55,6 +55,7 @@ STATE_ROOT = "/run/collectives-cluster"
 SUBNET = "10.200.0"        # host i is SUBNET.(i+1)/24; private to the run's namespaces
 SWITCH_ADDRESS = f"{SUBNET}.254"  # the switch's own: --elastic-store and --on-switch serve there
 STORE_PORT = 29400
+SERVICE_GRACE_SECONDS = 0.5  # an --on-switch command that ends sooner failed to start
 STORE_START_SECONDS = 60.0  # for the store's first line (python and torch imported)
 IFACE = "eth0"             # each host's NIC
 # TCP hands a veth segments of up to 64 KiB and lets the NIC cut them into frames (TSO/GSO).
@@ -428,9 +429,16 @@ class Network:
         service the job's ranks reach at `switch` (SWITCH_ADDRESS), such as torchft's
         lighthouse. Its output goes to this launcher's stderr; it goes with the run's
         processes."""
-        self.services.append(subprocess.Popen(
-            ["ip", "netns", "exec", self.switch, "sh", "-c", command],
-            stdin=subprocess.DEVNULL, stdout=sys.stderr, stderr=sys.stderr))
+        service = subprocess.Popen(["ip", "netns", "exec", self.switch, "sh", "-c", command],
+                                   stdin=subprocess.DEVNULL, stdout=sys.stderr,
+                                   stderr=sys.stderr)
+        self.services.append(service)
+        try:  # one that fails at once (not found, its port taken) says so before the job
+            status = service.wait(timeout=SERVICE_GRACE_SECONDS)
+        except subprocess.TimeoutExpired:
+            return
+        raise ClusterError(f"--on-switch {command!r} exited at once (status {status}); "
+                           "its output is above")
 
     # --- tearing it down --------------------------------------------------------------------
     def kill_processes(self) -> None:
@@ -441,7 +449,10 @@ class Network:
         _kill_processes(self.namespaces)
         for served in [self.store] + self.services:  # killed with the switch's: reap them
             if served is not None:
-                served.wait(timeout=5)
+                try:
+                    served.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass  # not reaped (a zombie until the launcher exits): the rest still is
 
     def remove(self) -> None:
         """Kill what still runs on the hosts, then delete every namespace, link, group

@@ -25,7 +25,9 @@ watcher's own clock, is a dead member (so the hosts' clocks need not agree). The
 thread reads the counters of the other members of its generation at every beat, so a
 member that stopped beating while the others were still inside a step (a cut link,
 found only at the transport's timeout) is known dead as soon as they ask, not
-`dead_after` later. A member still blocked in a collective that a dead peer never
+`dead_after` later. Registering, and waiting for a list, are beats too: a member back
+from a cut link may get there before its heartbeat thread reaches the store again.
+A member still blocked in a collective that a dead peer never
 finished is alive, and is waited for: it registers as soon as its own call fails (the
 transport's timeout at most).
 
@@ -169,18 +171,21 @@ class Membership:
                 store = store or self._connect()
                 store.add(f"beat/{self.me}", 1)
                 others = [m for m in (self.view.members if self.view else ()) if m != self.me]
-                for member in others:  # watched all along (see the module docstring)
-                    self._moved(member, store.add(f"beat/{member}", 0), time.monotonic())
+                if others:  # watched all along (the module docstring), in one round trip
+                    counters = store.multi_get([f"beat/{m}" for m in others])
+                    seen_at = time.monotonic()
+                    for member, counter in zip(others, counters):
+                        self._moved(member, int(counter), seen_at)
             except (RuntimeError, MembershipError):
                 store = None  # unreachable for now; the others may take us for dead
             self._stop.wait(self.beat)
 
     def _moved(self, member: str, counter: int, now: float) -> bool:
-        """Note `member`'s beat counter as read at `now`; True if it moved since last
-        read (or was never read: it counts as moving now)."""
+        """Note `member`'s beat counter as read at `now`; True if it moved since the
+        last read (or was never read: it counts as moving now)."""
         with self._seen_lock:
             seen = self._seen.get(member)
-            if seen is None or seen[0] != counter:
+            if seen is None or counter > seen[0]:  # an older read, applied late, is not news
                 self._seen[member] = (counter, now)
                 return True
             return False
@@ -320,8 +325,8 @@ class Membership:
             if count != last_count:  # a slot taken, its id maybe not written yet
                 last_count, last_change = count, now
             # registered, but dead since: not in the list (its communicator would wait)
-            registered = [m for m in registered if not self._dead(m, now)]
-            missing = [m for m in previous if m not in registered and not self._dead(m, now)]
+            registered = [m for m in registered if not self._dead(m)]
+            missing = [m for m in previous if m not in registered and not self._dead(m)]
             enough = len(registered) >= self.min_ranks
             if expected is not None:  # all the launcher started; after `timeout`, those here
                 quiet = len(registered) >= expected or now - first_seen > self.timeout
@@ -341,9 +346,12 @@ class Membership:
                 short_since = None
             time.sleep(0.05)
 
-    def _dead(self, member: str, now: float) -> bool:
-        """Its counter, read now, has not moved for dead_after (by our clock)."""
-        if self._moved(member, self._call("add", f"beat/{member}", 0), now):
+    def _dead(self, member: str) -> bool:
+        """Its counter, read now, has not moved for dead_after (by our clock, read after
+        the counter: a slow read must not age what it reads)."""
+        counter = self._call("add", f"beat/{member}", 0)
+        now = time.monotonic()
+        if self._moved(member, counter, now):
             return False
         with self._seen_lock:
             return now - self._seen[member][1] >= self.dead_after

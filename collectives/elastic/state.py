@@ -233,10 +233,12 @@ def run(train: Callable[[State, ElasticWorld], Any], state: State, world: Elasti
         except PeerError as error:  # a member failed (perhaps while the generation formed)
             world.drop(failed=True)  # the members still waiting on us learn it now
             failures = 0 if state.commits > commits_before else failures + 1
-            generation = world.view.generation if world.view else "-"
-            # the error names ranks of the generation: say who they were
-            ranks = (", ".join(f"{rank} {member}" for rank, member
-                               in enumerate(world.view.members)) if world.view else "-")
+            # the generation joined (its communicator may have failed as it was built);
+            # the error names ranks of it: say who they were
+            view = world.membership.view
+            generation = view.generation if view else "-"
+            ranks = ", ".join(f"{rank} {member}" for rank, member
+                              in enumerate(view.members)) if view else "-"
             print(f"collectives.elastic: {world.membership.me}: generation {generation}: "
                   f"{str(error).splitlines()[0]}; forming the next (its ranks: {ranks})",
                   file=sys.stderr, flush=True)
