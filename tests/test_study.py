@@ -142,11 +142,13 @@ def test_warmup_is_aligned_to_whole_periods():
 @pytest.mark.timeout(240)
 def test_bench_times_local_sgd_over_whole_periods_with_its_averaging(tmp_path):
     """2 timed steps asked for: a period-8 strategy is timed over 8, and the bytes show
-    that its one averaging round fell inside the window (ours and torch's)."""
+    that its one averaging round fell inside the window (ours and torch's); streaming
+    DiLoCo's events count its fragments' synchronizations."""
     out = tmp_path / "bench.jsonl"
     result = subprocess.run(
         [sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync",
-         "local-sgd,ddp-localsgd", "--batch-size", "2", "--steps", "2", "--rounds", "1",
+         "local-sgd,ddp-localsgd,diloco:period=4:fragments=2", "--batch-size", "2",
+         "--steps", "2", "--rounds", "1",
          "--warmup", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=220)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -157,6 +159,9 @@ def test_bench_times_local_sgd_over_whole_periods_with_its_averaging(tmp_path):
         assert 0.7 * resnet18_mb / 8 < rows[name]["mb_per_step"] < 1.5 * resnet18_mb / 8, \
             rows[name]
         assert rows[name]["waited_ms"] > 0
+    # streaming DiLoCo syncs a fragment every period / fragments steps: 2 in its 4
+    streaming = rows["diloco:period=4:fragments=2"]
+    assert streaming["steps"] == 4 and streaming["events"] == 2, streaming
 
 
 def test_compare_starts_each_job_with_the_chosen_launcher():

@@ -14,7 +14,8 @@ it measures:
     step_ms       the mean training step: forward, backward with communication,
                   optimizer, and the strategy's moments. A periodic strategy
                   (local-sgd, ddp-localsgd) is timed over whole periods only, so its
-                  averaging steps are in the mean: `events` counts them. A round's
+                  averaging steps are in the mean: `events` counts them (streaming
+                  DiLoCo's: every fragment's synchronization). A round's
                   last step ends when the communication it left running in the
                   background (delayed, async-avg) has finished, so every round's
                   window holds all that its steps sent, and nothing of another's
@@ -246,7 +247,7 @@ class Variant:
                    step_ms=step * 1e3, compute_ms=compute * 1e3, waited_ms=waited * 1e3,
                    comm_ms=communicating * 1e3 if seen else None,
                    hidden_share=hidden_sum / comm.world_size if seen else None,
-                   mb_per_step=sent / 1e6, steps=steps, events=steps // self.period,
+                   mb_per_step=sent / 1e6, steps=steps, events=steps // self.period * self.strategy.syncs_per_period,
                    cpu_ms=cpu * 1e3, comm_cpu_ms=(cpu - compute_cpu) * 1e3,
                    bucket_mb=self.bucket_mb(args),
                    bucket_choice=getattr(self.wrapped, "bucket_choice", None))

@@ -78,6 +78,7 @@ class TorchPeer:
     """torch's DDP plus one of torch's comm hooks, driven like our strategies."""
 
     uses_buckets = True
+    syncs_per_period = 1  # as our strategies say it (collectives/sync/base.py)
 
     def __init__(self, name: str, period: int = 8, warmup_steps: int = 0, rank: int = 2,
                  seed: int = 0, local_period: int = 1):

@@ -59,6 +59,7 @@ class TorchftDiLoCo(TorchPeer):
         check_schedule("torchft-diloco", period, fragments, delay)
         check_outer("torchft-diloco", outer_lr, outer_momentum, nesterov, alpha)
         self.name, self.period, self.warmup_steps = "torchft-diloco", period, 0
+        self.syncs_per_period = fragments  # one fragment every period / fragments steps
         self.options = dict(period=period, fragments=fragments, delay=delay, alpha=alpha)
         self.outer_options = dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         self.timeout = timedelta(seconds=timeout)

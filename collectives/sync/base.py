@@ -84,6 +84,9 @@ class SyncStrategy:
     uneven_steps = False
     period = 1
     warmup_steps = 0
+    # how many synchronizations each period holds (streaming DiLoCo: one per fragment);
+    # benchmarks count them
+    syncs_per_period = 1
     # True: the strategy keeps state per gradient bucket (topk's residuals), so the
     # buckets must not be re-cut once training has begun (bucket_cap_mb="auto").
     keeps_bucket_state = False

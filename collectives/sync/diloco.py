@@ -111,6 +111,7 @@ class DiLoCo(SyncStrategy):
         check_schedule("diloco", period, fragments, delay)
         check_outer("diloco", outer_lr, outer_momentum, nesterov, alpha)
         self.period, self.fragment_count, self.delay, self.alpha = period, fragments, delay, alpha
+        self.syncs_per_period = fragments  # one fragment every period / fragments steps
         self.every = period // fragments  # steps between two fragment synchronizations
         self.outer_options = dict(lr=outer_lr, momentum=outer_momentum, nesterov=nesterov)
         self.algorithm = algorithm
