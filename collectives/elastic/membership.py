@@ -26,10 +26,10 @@ thread reads the counters of the other members of its generation at every beat, 
 member that stopped beating while the others were still inside a step (a cut link,
 found only at the transport's timeout) is known dead as soon as they ask, not
 `dead_after` later. Registering, and waiting for a list, are beats too: a member back
-from a cut link may get there before its heartbeat thread reaches the store again.
-A member still blocked in a collective that a dead peer never
-finished is alive, and is waited for: it registers as soon as its own call fails (the
-transport's timeout at most).
+from a cut link may get there before its heartbeat thread reaches the store again. A
+member still blocked in a collective that a dead peer never finished is alive, and is
+waited for: it registers as soon as its own call fails (the transport's timeout at
+most).
 
 A member that registered after the list was written is not in it; it registers for the
 next generation, and the members learn of it at their next step boundary
