@@ -247,7 +247,8 @@ class Variant:
                    step_ms=step * 1e3, compute_ms=compute * 1e3, waited_ms=waited * 1e3,
                    comm_ms=communicating * 1e3 if seen else None,
                    hidden_share=hidden_sum / comm.world_size if seen else None,
-                   mb_per_step=sent / 1e6, steps=steps, events=steps // self.period * self.strategy.syncs_per_period,
+                   mb_per_step=sent / 1e6, steps=steps,
+                   events=steps // self.period * self.strategy.syncs_per_period,
                    cpu_ms=cpu * 1e3, comm_cpu_ms=(cpu - compute_cpu) * 1e3,
                    bucket_mb=self.bucket_mb(args),
                    bucket_choice=getattr(self.wrapped, "bucket_choice", None))
