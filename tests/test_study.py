@@ -222,6 +222,33 @@ def test_compare_writes_table_plot_and_every_jobs_epochs(tmp_path, monkeypatch):
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
 
 
+def test_a_failed_job_is_a_row_and_the_jobs_after_it_still_run(tmp_path, monkeypatch):
+    """One job's crash (torch's PowerSGD hook under a straggler did) does not lose the
+    comparison: its row says so, the next job runs, the plot and records are written,
+    and the exit status says something failed."""
+    ran = []
+
+    def fake_job(entry, args, trainer_flags, folder):
+        ran.append(entry)
+        epochs = [dict(epoch=1, train_seconds=10.0, comm_bytes=2**20 * 30, steps=30,
+                       images_per_s=12.0, test_acc=0.9)]
+        job = {"sync": entry, "epochs": epochs, "wall_s": 25.0}
+        if entry == "ddp-powersgd":
+            job["failed"] = "exit 1: Received data size doesn't match expected size"
+        return job
+    monkeypatch.setattr(compare, "run_one", fake_job)
+    out = tmp_path / "cmp"
+    assert compare.main(["--sync", "ddp-powersgd,powersgd", "--launcher", "torchrun",
+                         "--out", str(out)]) == 1
+    assert ran == ["ddp-powersgd", "powersgd"]
+    lines = (tmp_path / "cmp.md").read_text().splitlines()
+    assert "| ddp-powersgd | failed after 1 epoch | | | | | | 25 |" in lines
+    assert "| powersgd | 90.00% | not reached | 10 | 1 | 12.0 | 1.00 | 25 |" in lines
+    jobs = [json.loads(line) for line in open(tmp_path / "cmp.jsonl")]
+    assert "doesn't match" in jobs[0]["failed"] and "failed" not in jobs[1]
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
 def test_compare_plot_pairs_each_torch_peer_with_our_strategy():
     """Drawn from rows built by hand: a pair shares a colour, ours solid and torch's
     dashed; families differ in colour; the bytes axis is logarithmic and positive."""

@@ -29,6 +29,9 @@ trainer's --metrics wrote them, one line per job), and prints the table:
 
     sync | final test acc | time to target (s) | training time (s) | epochs | images/s |
     MiB sent per rank per step | wall time (s)
+
+A job that fails is one row, "failed after N epochs", with its error printed; the jobs
+after it still run, and the command then exits with 1.
 """
 from __future__ import annotations
 
@@ -104,15 +107,23 @@ def run_one(entry: str, args, trainer_flags: List[str], folder: str) -> Dict:
     started = time.perf_counter()
     result = subprocess.run(argv, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
+    epochs = []
+    if os.path.exists(metrics):  # a job that failed keeps the epochs it finished
+        with open(metrics) as lines:
+            epochs = [json.loads(line) for line in lines]
+    job = {"sync": entry, "epochs": epochs, "wall_s": wall}
     if result.returncode != 0:
-        raise RuntimeError(f"{entry} failed ({' '.join(argv)}):\n{result.stderr[-2000:]}")
-    with open(metrics) as lines:
-        epochs = [json.loads(line) for line in lines]
-    return {"sync": entry, "epochs": epochs, "wall_s": wall}
+        job["failed"] = (f"exit {result.returncode} ({' '.join(argv)}):\n"
+                         f"{result.stderr[-2000:]}")
+    return job
 
 
 def summarize(run: Dict, target: float) -> Dict:
-    """Cumulative training time, bytes and images after each epoch; time to target."""
+    """Cumulative training time, bytes and images after each epoch; time to target.
+    A job that failed is summarized as such, whatever epochs it finished aside."""
+    if run.get("failed"):
+        return {"sync": run["sync"], "failed": True, "epochs": len(run["epochs"]),
+                "wall_s": run["wall_s"], "curve": []}
     seconds = bytes_sent = images = steps = 0.0
     reached = None
     curve = []
@@ -135,6 +146,11 @@ def table(rows: List[Dict], target: float) -> str:
              "| images/s | MiB sent per rank per step | wall time (s) |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
+        if row.get("failed"):
+            finished = f"{row['epochs']} epoch" + ("" if row["epochs"] == 1 else "s")
+            lines.append(f"| {row['sync']} | failed after {finished} "
+                         f"| | | | | | {row['wall_s']:.0f} |")
+            continue
         reached = (f"{row['time_to_target_s']:.0f}" if row["time_to_target_s"] is not None
                    else "not reached")
         lines.append(f"| {row['sync']} | {row['final_acc']:.2%} | {reached} | "
@@ -189,6 +205,7 @@ def draw(rows: List[Dict], target: float):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib import ticker
+    rows = [row for row in rows if not row.get("failed")]  # a failed job has no line
     figure, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(13, 4.8))
     lines = []
     for row, style in zip(rows, line_styles([row["sync"] for row in rows])):
@@ -281,8 +298,10 @@ def main(argv=None) -> int:
             print(f"training with {entry} ...", flush=True)
             job = run_one(entry, args, trainer_flags, folder)
             jobs.write(json.dumps(job) + "\n")
-            jobs.flush()  # a later job's failure leaves the finished ones on disk
+            jobs.flush()  # on disk as soon as it ends, whatever happens to the next
             rows.append(summarize(job, args.target))
+            if job.get("failed"):  # the other jobs still run: one failure costs one row
+                print(f"{entry} failed, {job['failed']}", file=sys.stderr, flush=True)
             print(table(rows[-1:], args.target).splitlines()[-1], flush=True)
     text = table(rows, args.target)
     command = "python -m trainer.compare " + " ".join(argv if argv is not None else sys.argv[1:])
@@ -290,7 +309,10 @@ def main(argv=None) -> int:
         out.write(f"Made by `{command}`\n\n{text}\n")
     plot(rows, args.out + ".png", args.target)
     print(text)
-    return 0
+    failed = [row["sync"] for row in rows if row.get("failed")]
+    if failed:
+        print(f"failed: {', '.join(failed)} (their errors above)", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
