@@ -28,7 +28,8 @@ FIGURES = os.path.join(DOCS, "figures")
 
 CLUSTER_100MBIT = "python -m collectives.cluster --hosts 4 --bandwidth 100mbit --"
 COMPARE_SYNCS = ("ddp,allreduce,ddp-bf16,bf16,ddp-fp16,fp16,ddp-powersgd,powersgd,"
-                 "ddp-localsgd,local-sgd,topk,async-avg,delayed,gossip")
+                 "ddp-localsgd,local-sgd,ddp-hier-localsgd,hier-local-sgd,torchft-diloco,"
+                 "diloco,diloco:fragments=4:delay=1,topk,async-avg,delayed,gossip")
 
 
 class Figure(NamedTuple):
@@ -86,10 +87,10 @@ FIGURES_OF_THE_DOCS = [
            "python -m trainer.compare --hosts 4 --bandwidth 1gbit --dataset mnist "
            "--data-dir ../shared/data --epochs 3 --stop-at 0.95 --out docs/data/compare_1gbit "
            "--sync ddp,allreduce,ddp-bf16,bf16,powersgd,local-sgd,topk,async-avg"),
-    Figure("compare.png", "compare.jsonl", draw_compare,
+    Figure("compare.png", "compare_20261126/compare_100mbit.jsonl", draw_compare,
            "python -m trainer.compare --hosts 4 --bandwidth 100mbit --dataset mnist "
-           f"--data-dir ../shared/data --epochs 3 --stop-at 0.95 --out docs/data/compare "
-           f"--sync {COMPARE_SYNCS}"),
+           "--data-dir ../shared/data --epochs 3 --stop-at 0.95 "
+           f"--out docs/data/compare_20261126/compare_100mbit --sync {COMPARE_SYNCS}"),
     Figure("compare_diloco.png", "study_20261125/diloco.jsonl", draw_compare,
            "python -m trainer.compare --hosts 4 --bandwidth 100mbit --dataset mnist "
            "--data-dir ../shared/data --epochs 3 --stop-at 0.95 --out diloco "
