@@ -2,6 +2,7 @@
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import time
@@ -247,6 +248,28 @@ def test_a_failed_job_is_a_row_and_the_jobs_after_it_still_run(tmp_path, monkeyp
     jobs = [json.loads(line) for line in open(tmp_path / "cmp.jsonl")]
     assert "doesn't match" in jobs[0]["failed"] and "failed" not in jobs[1]
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
+def test_a_job_killed_mid_epoch_keeps_the_epochs_it_finished(tmp_path, monkeypatch):
+    """The job itself: a process that wrote one epoch, half of the next line, and died.
+    Its row keeps the finished epoch and says why it failed; a job that exits 0 but
+    wrote no epoch is a failure too, not a crash of the comparison."""
+    def stand_in(lines, code):
+        def launch_command(args, trainer_argv):
+            metrics = trainer_argv[trainer_argv.index("--metrics") + 1]
+            script = (f"import sys; open({metrics!r}, 'w').write({lines!r}); "
+                      f"sys.stderr.write('rank 2 lost'); sys.exit({code})")
+            return [sys.executable, "-c", script], dict(os.environ)
+        return launch_command
+    epoch = json.dumps(dict(epoch=1, train_seconds=1.0, comm_bytes=0, steps=1,
+                            images_per_s=1.0, test_acc=0.5))
+    monkeypatch.setattr(compare, "launch_command", stand_in(epoch + '\n{"epoch": 2, "tr', 1))
+    job = compare.run_one("allreduce", None, [], str(tmp_path))
+    assert [e["epoch"] for e in job["epochs"]] == [1]
+    assert job["failed"].startswith("exit 1 (") and job["failed"].endswith("rank 2 lost")
+    monkeypatch.setattr(compare, "launch_command", stand_in("", 0))
+    job = compare.run_one("bf16", None, [], str(tmp_path))
+    assert job["epochs"] == [] and job["failed"].startswith("exit 0, no epoch recorded")
 
 
 def test_compare_plot_pairs_each_torch_peer_with_our_strategy():

@@ -110,11 +110,17 @@ def run_one(entry: str, args, trainer_flags: List[str], folder: str) -> Dict:
     epochs = []
     if os.path.exists(metrics):  # a job that failed keeps the epochs it finished
         with open(metrics) as lines:
-            epochs = [json.loads(line) for line in lines]
+            for line in lines:
+                try:
+                    epochs.append(json.loads(line))
+                except json.JSONDecodeError:
+                    if result.returncode == 0:
+                        raise
+                    break  # killed while it wrote this line
     job = {"sync": entry, "epochs": epochs, "wall_s": wall}
-    if result.returncode != 0:
-        job["failed"] = (f"exit {result.returncode} ({' '.join(argv)}):\n"
-                         f"{result.stderr[-2000:]}")
+    if result.returncode != 0 or not epochs:
+        job["failed"] = (f"exit {result.returncode}{'' if epochs else ', no epoch recorded'} "
+                         f"({' '.join(argv)}):\n{result.stderr[-2000:]}")
     return job
 
 
