@@ -129,7 +129,7 @@ def summarize(run: Dict, target: float) -> Dict:
     A job that failed is summarized as such, whatever epochs it finished aside."""
     if run.get("failed"):
         return {"sync": run["sync"], "failed": True, "epochs": len(run["epochs"]),
-                "wall_s": run["wall_s"], "curve": []}
+                "wall_s": run["wall_s"]}
     seconds = bytes_sent = images = steps = 0.0
     reached = None
     curve = []
