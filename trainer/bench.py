@@ -36,9 +36,16 @@ it measures:
     cpu_ms        per step, the CPU time of the whole process (every thread: training,
                   ours or gloo's communication threads, torch's own)
     comm_cpu_ms   what communication cost in CPU: cpu_ms less the CPU of the
-                  compute-only step above. The same bytes moved by ours and by
-                  torch's C++ can be compared here (on 2 shared cores, CPU that
-                  communication takes is CPU the other ranks' compute cannot have)
+                  compute-only step above. A coarse figure: it carries the noise of
+                  the compute-only step, a few per cent of the model's CPU
+    thread_cpu_ms per step, the CPU of every thread but the training thread: where the
+                  communication that leaves the training thread runs (ours: our
+                  communication thread and gloo's TCP loop; torch's: gloo's TCP loop
+                  and its work threads). The same bytes moved by ours and by torch's
+                  C++ compare here without the model's noise (on 2 shared cores, CPU
+                  that communication takes is CPU the other ranks' compute cannot
+                  have). Work a strategy does on the training thread is not in it:
+                  torch's bf16 hook casts there, ours on its communication thread
     images_per_s  world_size x batch size / step_ms
     bucket_mb     the buckets in use, first/later in MiB (--bucket-mb auto: as chosen
                   during the warm-up; torch's rows: torch's 1 MiB first bucket and cap)
@@ -50,8 +57,8 @@ it measures:
                   TCP bytes
 
 All variants are built first and timed in alternating rounds, so that slow periods of
-a shared machine hit every variant alike. Times are the slowest rank's; bytes the
-busiest rank's.
+a shared machine hit every variant alike; each round starts one variant later than the
+one before. Times are the slowest rank's; bytes the busiest rank's.
 """
 from __future__ import annotations
 
@@ -94,11 +101,13 @@ def union_seconds(intervals) -> float:
 
 
 def _time_once(comm, step) -> tuple:
-    """(seconds, CPU seconds of this whole process) that one call of `step` took."""
+    """(seconds, CPU seconds of this whole process, CPU seconds of its other threads
+    than this one) that one call of `step` took."""
     comm.barrier()
-    started, cpu = time.perf_counter(), time.process_time()
+    started, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
     step()
-    return time.perf_counter() - started, time.process_time() - cpu
+    cpu, own = time.process_time() - cpu, time.thread_time() - own
+    return time.perf_counter() - started, cpu, cpu - own
 
 
 def aligned_warmup(wanted: int, period: int, warmup_steps: int) -> int:
@@ -146,7 +155,8 @@ class Variant:
             wanted = max(wanted, collectives.ddp.AUTO_BUCKET_STEPS + 1)
         self.warmup = aligned_warmup(wanted, self.period, self.strategy.warmup_steps)
         self.steps_done = 0
-        self.samples = {"step": [], "compute": [], "step_cpu": [], "compute_cpu": []}
+        self.samples = {"step": [], "compute": [], "step_cpu": [], "compute_cpu": [],
+                        "thread_cpu": []}
         self.sent_bytes = self.waited = self.communicating = 0.0
 
     def train_step(self):  # the trainer's order: backward, after_backward, step, after_step
@@ -209,14 +219,16 @@ class Variant:
             (trace.resume if self.trace_left > 0 else trace.pause)()
             self.trace_left -= 1
             last = index == self.steps_per_round - 1
-            seconds, cpu = _time_once(comm, self.last_step_of_round if last else self.train_step)
+            seconds, cpu, threads = _time_once(
+                comm, self.last_step_of_round if last else self.train_step)
             self.samples["step"].append(seconds)
             self.samples["step_cpu"].append(cpu)
+            self.samples["thread_cpu"].append(threads)
         trace.pause()
         self.sent_bytes += self.sent.read() - sent_before
         self.communicating += self.communicating_seconds() - communicating_before
         self.waited += self.clock.waited
-        seconds, cpu = _time_once(comm, self.compute_only_step)
+        seconds, cpu, _ = _time_once(comm, self.compute_only_step)
         self.samples["compute"].append(seconds)
         self.samples["compute_cpu"].append(cpu)
 
@@ -238,8 +250,9 @@ class Variant:
             mean(self.samples["step"]), mean(self.samples["compute"]), self.waited / steps,
             self.sent_bytes / steps, self.communicating / steps], "max")
         # CPU: the mean over ranks (every rank's CPU comes out of the same cores)
-        cpu, compute_cpu = (total / comm.world_size for total in _over_ranks(
-            comm, [mean(self.samples["step_cpu"]), mean(self.samples["compute_cpu"])], "sum"))
+        cpu, compute_cpu, thread_cpu = (total / comm.world_size for total in _over_ranks(
+            comm, [mean(self.samples[kind]) for kind in ("step_cpu", "compute_cpu",
+                                                         "thread_cpu")], "sum"))
         (hidden_sum,) = _over_ranks(comm, [hidden], "sum")  # each rank's share, averaged
         row = dict(sync=self.name, world_size=comm.world_size, model=args.model,
                    batch_size=args.batch_size,
@@ -250,10 +263,20 @@ class Variant:
                    mb_per_step=sent / 1e6, steps=steps,
                    events=steps // self.period * self.strategy.syncs_per_period,
                    cpu_ms=cpu * 1e3, comm_cpu_ms=(cpu - compute_cpu) * 1e3,
+                   thread_cpu_ms=thread_cpu * 1e3,
                    bucket_mb=self.bucket_mb(args),
                    bucket_choice=getattr(self.wrapped, "bucket_choice", None))
         self.strategy.close()  # background rounds (async-avg, delayed) end together
         return row
+
+
+def rotated(variants, number: int) -> list:
+    """The order of round `number`: each round starts one variant later, so that no
+    variant always runs first, or always right after the same one (what ran just
+    before can slow a step: measured, the first of a pair in a fixed order had the
+    slower compute-only step in all eight pairs of four runs)."""
+    start = number % len(variants)
+    return variants[start:] + variants[:start]
 
 
 def rank_main(args):
@@ -267,12 +290,12 @@ def rank_main(args):
               "periods for periodic strategies), alternating")
         print(f"{'sync':>13} {'img/s':>7} {'step ms':>8} {'compute ms':>10} {'waited ms':>9} "
               f"{'comm ms':>8} {'hidden':>6} {'MB/step':>8} {'steps':>5} {'events':>6} "
-              f"{'cpu ms':>7} {'comm cpu':>8} {'buckets MB':>10}")
+              f"{'cpu ms':>7} {'comm cpu':>8} {'thread cpu':>10} {'buckets MB':>10}")
     variants = [Variant(comm, name, args) for name in args.sync]
     for variant in variants:
         variant.warm_up()
-    for _ in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
-        for variant in variants:
+    for number in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
+        for variant in rotated(variants, number):
             variant.round(comm)
     for variant in variants:
         row = variant.row(comm, args)
@@ -284,6 +307,7 @@ def rank_main(args):
                   f"{row['compute_ms']:>10.0f} {row['waited_ms']:>9.0f} {comm_ms:>8} "
                   f"{hidden:>6} {row['mb_per_step']:>8.2f} {row['steps']:>5} "
                   f"{row['events']:>6} {row['cpu_ms']:>7.0f} {row['comm_cpu_ms']:>8.0f} "
+                  f"{row['thread_cpu_ms']:>10.1f} "
                   f"{row['bucket_mb']:>10}",
                   flush=True)
     if comm.rank == 0 and args.json:

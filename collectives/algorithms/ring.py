@@ -53,11 +53,12 @@ end bitwise identical.
 """
 from __future__ import annotations
 
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 import torch
 
 from ..transport import Transport
+from ..transport.base import Handle
 from .. import trace
 from ..transport.group import Group
 from .common import chunk_bounds, segments
@@ -72,15 +73,21 @@ def _segment_elems(comm: Transport, flat: torch.Tensor, segment_bytes: Optional[
 
 def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
                    bounds: Optional[List[int]] = None,
-                   segment_bytes: Optional[int] = None) -> None:
+                   segment_bytes: Optional[int] = None,
+                   post_next: Optional[Callable[[], List[Handle]]] = None) -> List[Handle]:
     """Reduce over ranks so that rank r ends with chunk r of `flat` fully reduced.
 
     `bounds` are the chunk offsets (default: n nearly equal chunks). Other chunks of
     `flat` are left holding partial results.
+
+    post_next: posts the receives of what comes next (all_reduce's all-gather) and
+    returns them; it is called as the last step begins, so that the left neighbour may
+    send the moment it is ready, with no round trip between the two phases. Returns
+    what it returned (nothing without it, or alone in the world: then nothing follows).
     """
     n, rank = comm.world_size, comm.rank
     if n == 1:
-        return
+        return []
     bounds = bounds or chunk_bounds(flat.numel(), n)
     send_to, recv_from = (rank + 1) % n, (rank - 1) % n
     seg = _segment_elems(comm, flat, segment_bytes)
@@ -113,7 +120,10 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
         receives = post_receives(0)
     for step in range(n - 1):
         last = step == n - 2
-        next_receives = [] if last else post_receives(step + 1)  # use the other scratch
+        if not last:
+            next_receives = post_receives(step + 1)  # use the other scratch
+        else:
+            next_receives = post_next() if post_next else []
         with trace.span(f"ring reduce-scatter step {step}", cat="comm.step", level=2,
                         send_to=send_to, recv_from=recv_from):
             for receive in receives:
@@ -122,11 +132,15 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
         receives = next_receives
     for send in sends:
         send.wait()
+    return receives  # post_next's
 
 
 def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] = None,
-               segment_bytes: Optional[int] = None) -> None:
-    """Given rank r holding chunk r of `flat`, leave every rank holding every chunk."""
+               segment_bytes: Optional[int] = None,
+               first_receives: Optional[List[Handle]] = None) -> None:
+    """Given rank r holding chunk r of `flat`, leave every rank holding every chunk.
+
+    first_receives: step 0's receives, already posted by all_gather_receives."""
     n, rank = comm.world_size, comm.rank
     if n == 1:
         return
@@ -135,13 +149,13 @@ def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] 
     seg = _segment_elems(comm, flat, segment_bytes)
 
     def pieces(step: int):  # the segments of the chunk this rank receives at `step`
-        chunk = (rank - step - 1) % n
-        return segments(bounds[chunk], bounds[chunk + 1], seg)
+        return _gathered_pieces(n, rank, step, bounds, seg)
 
     def post_receives(step: int):
         return [comm.irecv(flat[lo:hi], recv_from) for lo, hi in pieces(step)]
 
-    receives = post_receives(0)  # receives first: see "Order" above
+    # receives first: see "Order" above
+    receives = post_receives(0) if first_receives is None else first_receives
     sends = [comm.isend(flat[lo:hi], send_to)
              for lo, hi in segments(bounds[rank], bounds[rank + 1], seg)]
     for step in range(n - 1):
@@ -158,19 +172,40 @@ def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] 
         send.wait()
 
 
+def _gathered_pieces(n: int, rank: int, step: int, bounds: List[int], seg: int):
+    """The segments of the chunk `rank` receives at all-gather step `step`."""
+    chunk = (rank - step - 1) % n
+    return segments(bounds[chunk], bounds[chunk + 1], seg)
+
+
+def all_gather_receives(comm: Transport, flat: torch.Tensor, bounds: List[int],
+                        segment_bytes: Optional[int] = None) -> List[Handle]:
+    """Post all_gather's step 0 receives: chunk r-1, from the left neighbour."""
+    seg = _segment_elems(comm, flat, segment_bytes)
+    return [comm.irecv(flat[lo:hi], (comm.rank - 1) % comm.world_size)
+            for lo, hi in _gathered_pieces(comm.world_size, comm.rank, 0, bounds, seg)]
+
+
 def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
                segment_bytes: Optional[int] = None) -> None:
     """Ring all-reduce in place: reduce-scatter, then all-gather.
 
     The ring visits ranks host by host (comm.topology.ring_order()), so that however a
     launcher placed the ranks, only one stream leaves and one enters each host.
+
+    The all-gather's first receives are posted as the reduce-scatter's last step
+    begins. They write chunk r-1, which no step of the reduce-scatter touches on this
+    rank after sending it first, and that send has been delivered before anything can
+    arrive there: the sum the left neighbour will send back includes it.
     """
     order = comm.topology.ring_order()
     if order != list(range(comm.world_size)):
         comm = Group(comm, order)
     bounds = chunk_bounds(flat.numel(), comm.world_size)
-    reduce_scatter(comm, flat, op, bounds, segment_bytes)
-    all_gather(comm, flat, bounds, segment_bytes)
+    first_receives = reduce_scatter(
+        comm, flat, op, bounds, segment_bytes,
+        post_next=lambda: all_gather_receives(comm, flat, bounds, segment_bytes))
+    all_gather(comm, flat, bounds, segment_bytes, first_receives)
 
 
 # The formulas of the module's notes, evaluated (see costs.py). The ring visits the
