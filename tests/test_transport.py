@@ -2,11 +2,14 @@
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
 import torch
 
 import collectives
+from collectives.transport.group import Group
+from collectives.transport.local import LocalTransport
 from checks_transport import check_transport
 from distributed import run_world
 
@@ -157,3 +160,20 @@ def test_a_segment_given_in_the_environment_is_taken_and_a_bad_one_refused(monke
     monkeypatch.setenv("COLLECTIVES_SEGMENT_KB", "4M")
     with pytest.raises(LaunchError, match="COLLECTIVES_SEGMENT_KB"):
         segment_from_env()
+
+
+def test_an_algorithms_workspace_is_kept_from_call_to_call_per_name_and_dtype():
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=5))
+    floats, doubles = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
+    first = comm.workspace("ring scratch 0", floats, 100)
+    assert first.numel() == 100 and first.dtype == torch.float32
+    again = comm.workspace("ring scratch 0", floats, 60)  # smaller: the same memory
+    assert again.numel() == 60 and again.data_ptr() == first.data_ptr()
+    assert comm.workspace("ring scratch 1", floats, 60).data_ptr() != first.data_ptr()
+    assert comm.workspace("ring scratch 0", doubles, 60).dtype == torch.float64
+    grown = comm.workspace("ring scratch 0", floats, 1000)
+    assert grown.numel() == 1000
+    assert comm.workspace("ring scratch 0", floats, 10).data_ptr() == grown.data_ptr()
+    # a group (made for one call) uses its parent's; a duplicate has its own
+    assert Group(comm, [0]).workspace("ring scratch 0", floats, 10).data_ptr() == grown.data_ptr()
+    assert comm.duplicate().workspace("ring scratch 0", floats, 10).data_ptr() != grown.data_ptr()

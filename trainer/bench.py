@@ -41,11 +41,13 @@ it measures:
     thread_cpu_ms per step, the CPU of every thread but the training thread: where the
                   communication that leaves the training thread runs (ours: our
                   communication thread and gloo's TCP loop; torch's: gloo's TCP loop
-                  and its work threads). The same bytes moved by ours and by torch's
-                  C++ compare here without the model's noise (on 2 shared cores, CPU
-                  that communication takes is CPU the other ranks' compute cannot
-                  have). Work a strategy does on the training thread is not in it:
-                  torch's bf16 hook casts there, ours on its communication thread
+                  and its work threads). With one torch thread per rank (what the
+                  launchers here set) no compute runs there, so the same bytes moved
+                  by ours and by torch's C++ compare without the model's noise (on 2
+                  shared cores, CPU that communication takes is CPU the other ranks'
+                  compute cannot have). Work done on the training thread is not in
+                  it: torch's bf16 hook casts there, ours on its communication thread;
+                  local SGD averages there
     images_per_s  world_size x batch size / step_ms
     bucket_mb     the buckets in use, first/later in MiB (--bucket-mb auto: as chosen
                   during the warm-up; torch's rows: torch's 1 MiB first bucket and cap)
@@ -106,7 +108,8 @@ def _time_once(comm, step) -> tuple:
     comm.barrier()
     started, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
     step()
-    cpu, own = time.process_time() - cpu, time.thread_time() - own
+    own = time.thread_time() - own  # read inside the process's window: never above it
+    cpu = time.process_time() - cpu
     return time.perf_counter() - started, cpu, cpu - own
 
 
@@ -272,9 +275,10 @@ class Variant:
 
 def rotated(variants, number: int) -> list:
     """The order of round `number`: each round starts one variant later, so that no
-    variant always runs first, or always right after the same one (what ran just
-    before can slow a step: measured, the first of a pair in a fixed order had the
-    slower compute-only step in all eight pairs of four runs)."""
+    variant always runs in the same place of a round (where it runs can slow it:
+    measured, the first of a pair in a fixed order had the slower compute-only step
+    in all eight pairs of four runs). With as many rounds as variants, each runs once
+    in every place."""
     start = number % len(variants)
     return variants[start:] + variants[:start]
 

@@ -58,7 +58,8 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
 
     # 2. Reduce-scatter by recursive halving over p blocks.
     bounds = chunk_bounds(flat.numel(), p)
-    scratch = flat.new_empty(bounds[p // 2])  # the largest half: bigger blocks come first
+    # the largest half (bigger blocks come first), kept from call to call
+    scratch = comm.workspace("halving-doubling scratch", flat, bounds[p // 2])
     lo, hi = 0, p  # the blocks this rank is still responsible for
     exchanges = []
     distance = p // 2

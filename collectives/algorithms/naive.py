@@ -33,7 +33,7 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
     if comm.world_size == 1 or flat.numel() == 0:
         return
     if comm.rank == 0:
-        incoming = torch.empty_like(flat)
+        incoming = comm.workspace("naive scratch", flat, flat.numel())
         for peer in range(1, comm.world_size):
             comm.recv_reduce(flat, peer, op, incoming)
     else:

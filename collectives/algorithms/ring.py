@@ -81,9 +81,11 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
     `flat` are left holding partial results.
 
     post_next: posts the receives of what comes next (all_reduce's all-gather) and
-    returns them; it is called as the last step begins, so that the left neighbour may
-    send the moment it is ready, with no round trip between the two phases. Returns
-    what it returned (nothing without it, or alone in the world: then nothing follows).
+    returns them; it is called as the last step begins, once the first chunk this rank
+    sent (chunk r-1) has gone, so that the left neighbour may send the moment it is
+    ready, with no round trip between the two phases. What it posts may write chunk
+    r-1 only: the other chunks are still in use. Returns what it returned (nothing
+    without it, or alone in the world: then nothing follows).
     """
     n, rank = comm.world_size, comm.rank
     if n == 1:
@@ -97,7 +99,8 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
         return segments(bounds[chunk], bounds[chunk + 1], seg)
 
     largest = max(b - a for a, b in zip(bounds, bounds[1:]))
-    scratch = [flat.new_empty(largest), flat.new_empty(largest)]  # alternate steps
+    # alternate steps; kept by the communicator from call to call (Transport.workspace)
+    scratch = [comm.workspace(f"ring scratch {i}", flat, largest) for i in (0, 1)]
 
     def post_receives(step: int):  # each adds our segment and, but at the end, passes it on
         base = bounds[(rank - step - 2) % n]
@@ -114,23 +117,29 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
 
     if n == 2:  # receives first (see "Order" above): step 0 passes nothing on
         receives = post_receives(0)
-        sends = send_first_chunk()
+        first_sends = send_first_chunk()
     else:  # step 0's receives pass their sums on: our own chunk must go out before them
-        sends = send_first_chunk()
+        first_sends = send_first_chunk()
         receives = post_receives(0)
+    forwards: List[Handle] = []
     for step in range(n - 1):
         last = step == n - 2
         if not last:
             next_receives = post_receives(step + 1)  # use the other scratch
+        elif post_next:
+            for send in first_sends:  # chunk r-1 is read out before anything may land there
+                send.wait()
+            first_sends = []
+            next_receives = post_next()
         else:
-            next_receives = post_next() if post_next else []
+            next_receives = []
         with trace.span(f"ring reduce-scatter step {step}", cat="comm.step", level=2,
                         send_to=send_to, recv_from=recv_from):
             for receive in receives:
                 receive.wait()  # reduced, and on its way to the right unless this is the end
-                sends.append(receive.forward)
+                forwards.append(receive.forward)
         receives = next_receives
-    for send in sends:
+    for send in first_sends + forwards:
         send.wait()
     return receives  # post_next's
 
@@ -194,9 +203,9 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
     launcher placed the ranks, only one stream leaves and one enters each host.
 
     The all-gather's first receives are posted as the reduce-scatter's last step
-    begins. They write chunk r-1, which no step of the reduce-scatter touches on this
-    rank after sending it first, and that send has been delivered before anything can
-    arrive there: the sum the left neighbour will send back includes it.
+    begins. They write chunk r-1, which the reduce-scatter reads only for its first
+    send, waited before they are posted (a formality: the sum the left neighbour sends
+    in the all-gather includes what that send carried, so it was delivered long since).
     """
     order = comm.topology.ring_order()
     if order != list(range(comm.world_size)):

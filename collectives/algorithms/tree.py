@@ -64,7 +64,7 @@ def reduce(comm: Transport, flat: torch.Tensor, op: str, root: int) -> None:
         child = v + mask
         if child < n:
             if incoming is None:  # scratch, for transports that need one
-                incoming = torch.empty_like(flat)
+                incoming = comm.workspace("tree scratch", flat, flat.numel())
             comm.recv_reduce(flat, (child + root) % n, op, incoming)
         mask <<= 1
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import List, Optional
+from typing import Dict, List, Optional
 
 import torch
 
@@ -239,6 +239,7 @@ class Transport:
         # Which ranks share a host. init() exchanges it (Topology.exchange); until then
         # every rank is taken to be on this one.
         self.topology = Topology.one_host(world_size)
+        self._workspace: Dict[tuple, torch.Tensor] = {}  # see workspace()
 
     # --- point to point: subclasses implement _isend/_irecv ---------------------------
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
@@ -309,6 +310,20 @@ class Transport:
         sending = self.isend(send_tensor, dst)
         receiving.wait()
         sending.wait()
+
+    def workspace(self, name: str, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """A buffer of `numel` elements of `like`'s dtype and device, for an algorithm's
+        scratch during one call, kept from call to call: the same `name` gives the
+        same memory (grown when a call needs more). Fresh memory is not free where a
+        receive writes it: the kernel maps and zeroes every page on first touch, on a
+        25 MB bucket a fault per 4 KiB page. Only one call at a time may use it, which
+        the communicator's rule already asks (one thread's send/recv collectives at
+        a time; another thread takes a duplicate, whose workspace is its own)."""
+        key = (name, like.dtype, like.device)
+        buffer = self._workspace.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._workspace[key] = like.new_empty(numel)
+        return buffer[:numel]
 
     def _check_peer(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         if not 0 <= peer < self.world_size or peer == self.rank:

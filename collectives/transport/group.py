@@ -41,6 +41,9 @@ class Group(Transport):
     def name(self) -> str:
         return self.parent.name
 
+    def workspace(self, name: str, like: torch.Tensor, numel: int) -> torch.Tensor:
+        return self.parent.workspace(name, like, numel)  # a group lives for one call
+
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
         return self.parent.isend(tensor, self.members[dst])
 
