@@ -181,8 +181,10 @@ def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, r
             comm.confirm_call()
             confirmed = True
     except CallMismatch as mismatch:
+        comm.release_workspace()  # receives the call left may still land in it
         raise _out_of_step(comm, collective, mismatch) from None
     except PeerError as error:
+        comm.release_workspace()
         if not confirmed:  # perhaps because the ranks made different calls: say so if so
             try:
                 comm.confirm_call(timeout=2.0)

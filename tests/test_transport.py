@@ -174,6 +174,16 @@ def test_an_algorithms_workspace_is_kept_from_call_to_call_per_name_and_dtype():
     grown = comm.workspace("ring scratch 0", floats, 1000)
     assert grown.numel() == 1000
     assert comm.workspace("ring scratch 0", floats, 10).data_ptr() == grown.data_ptr()
-    # a group (made for one call) uses its parent's; a duplicate has its own
+    # a group uses its parent's; a duplicate has its own
     assert Group(comm, [0]).workspace("ring scratch 0", floats, 10).data_ptr() == grown.data_ptr()
     assert comm.duplicate().workspace("ring scratch 0", floats, 10).data_ptr() != grown.data_ptr()
+    # after a failed call (api.py releases it) the next call gets fresh memory
+    Group(comm, [0]).release_workspace()
+    assert comm.workspace("ring scratch 0", floats, 10).data_ptr() != grown.data_ptr()
+
+
+def test_a_workspace_made_in_inference_mode_can_be_written_outside_it():
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=5))
+    with torch.inference_mode():
+        comm.workspace("tree scratch", torch.zeros(1), 8)
+    comm.workspace("tree scratch", torch.zeros(1), 8).copy_(torch.ones(8))  # no error

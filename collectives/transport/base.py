@@ -313,17 +313,27 @@ class Transport:
 
     def workspace(self, name: str, like: torch.Tensor, numel: int) -> torch.Tensor:
         """A buffer of `numel` elements of `like`'s dtype and device, for an algorithm's
-        scratch during one call, kept from call to call: the same `name` gives the
-        same memory (grown when a call needs more). Fresh memory is not free where a
-        receive writes it: the kernel maps and zeroes every page on first touch, on a
-        25 MB bucket a fault per 4 KiB page. Only one call at a time may use it, which
-        the communicator's rule already asks (one thread's send/recv collectives at
-        a time; another thread takes a duplicate, whose workspace is its own)."""
+        scratch during one call, kept from call to call: the same name, dtype and
+        device give the same memory (grown when a call needs more, kept while the
+        communicator lives). Fresh memory is not free where a receive writes it: the
+        kernel maps and zeroes its pages on first touch (a 25 MB ring all-reduce over
+        TCP took 440-620 page faults a call). Only one call at a time may use it, which
+        the communicator's rule already asks: one thread's send/recv collectives at a
+        time, on it and its groups together (a group's workspace is its parent's);
+        another thread takes a duplicate, whose workspace is its own."""
         key = (name, like.dtype, like.device)
         buffer = self._workspace.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = self._workspace[key] = like.new_empty(numel)
+            with torch.inference_mode(False):  # usable outside inference mode too
+                buffer = torch.empty(numel, dtype=like.dtype, device=like.device)
+            self._workspace[key] = buffer
         return buffer[:numel]
+
+    def release_workspace(self) -> None:
+        """Forget the workspace: a call that failed may have left receives that still
+        write into it, so the next call gets fresh memory (api.py calls this on a
+        PeerError)."""
+        self._workspace = {}
 
     def _check_peer(self, tensor: torch.Tensor, peer: int, what: str) -> None:
         if not 0 <= peer < self.world_size or peer == self.rank:

@@ -42,7 +42,11 @@ class Group(Transport):
         return self.parent.name
 
     def workspace(self, name: str, like: torch.Tensor, numel: int) -> torch.Tensor:
-        return self.parent.workspace(name, like, numel)  # a group lives for one call
+        # the parent's: a group's calls go through it, under its one-thread rule
+        return self.parent.workspace(name, like, numel)
+
+    def release_workspace(self) -> None:
+        self.parent.release_workspace()
 
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
         return self.parent.isend(tensor, self.members[dst])
