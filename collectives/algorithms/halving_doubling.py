@@ -48,7 +48,8 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
             comm.send(flat, rank + 1)
             comm.recv(flat, rank + 1)  # 4. the result comes back at the end
             return
-        comm.recv_reduce(flat, rank - 1, op)
+        comm.recv_reduce(flat, rank - 1, op,
+                         comm.workspace("halving-doubling scratch", flat, flat.numel()))
         newrank = rank // 2
     else:
         newrank = rank - extra
