@@ -23,17 +23,31 @@ So, after a few synced steps with DDP's sizes (`Bucketer.profile()`):
        start(i) = max(ready(i), end(i-1))      end(i) = start(i) + a + b K(i)
 
    The time backward's end waits for the last reduction is `exposed`.
-3. The layout with the least exposed time wins; among layouts within 5 % (or 1 ms)
-   of it, the one with the fewest buckets, so a fast link is not flooded with small
-   messages for nothing. Every rank takes rank 0's choice.
+3. Every bucket also costs CPU that does not depend on its size (`c`: the
+   algorithm's calls, messages and steps), fitted the same way to the CPU each
+   reduction took on the communication thread. Where ranks share cores
+   (more ranks than cores on one machine, as 4 ranks on 2 cores or the emulated
+   cluster), that CPU is taken from backward: R ranks on C cores each spending `c`
+   more make the step about c R / C longer. So a layout costs
 
-What this leaves out: reductions share the cores with backward (on a machine with few
-cores, many small buckets slow backward itself), and a step's timings vary; both are
-why near-ties go to fewer buckets.
+       exposed + buckets x c x R / C          (R / C: `cpu_weight`; 0 where cores
+                                               are spare)
+
+   On 4 emulated hosts at 1 Gbit/s (2 cores) 1 MiB buckets left the least exposed
+   time (119 ms against 158 for DDP's 1/25 MiB) but took 39 ms more CPU a step on
+   every rank, and the step was no quicker; 1/4 MiB buckets left 97 ms for 20 ms
+   more CPU (trainer.bench, one run each, docs/benchmarks.md).
+4. The layout that costs least wins; among layouts within 5 % (or 1 ms) of it, the
+   one with the fewest buckets, so a fast link is not flooded with small messages
+   for nothing. Every rank takes rank 0's choice.
+
+What this leaves out: the CPU of the backend's own threads (gloo's, moving a
+bucket's bytes) is not seen from the communication thread, and a step's timings
+vary; both are why near-ties go to fewer buckets.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Sequence, Tuple
 
 MiB = 1 << 20
@@ -49,6 +63,7 @@ class StepProfile:
     param_bytes: List[int]      # each trainable parameter's gradient, in bucket order
     ready_s: List[float]        # when each became ready, seconds after the first
     buckets: List[Tuple[int, float]]  # (bytes, seconds its reduction ran), each bucket
+    bucket_cpu_s: List[float] = field(default_factory=list)  # CPU each reduction took
 
 
 def fit_link(buckets: Sequence[Tuple[int, float]]) -> Tuple[float, float]:
@@ -96,9 +111,21 @@ def exposed(profile: StepProfile, cap_bytes: float, first_bytes: float,
     return end - max(profile.ready_s), len(buckets)
 
 
-def choose(profile: StepProfile) -> Tuple[float, float, dict]:
-    """(first_bucket_mb, bucket_cap_mb, details) for the profiled step."""
+def cpu_per_bucket(profile: StepProfile) -> float:
+    """`c`: the CPU seconds a reduction takes whatever its size, fitted to the measured
+    buckets (0 where the profile has no CPU times)."""
+    if len(profile.bucket_cpu_s) != len(profile.buckets) or not profile.buckets:
+        return 0.0
+    return fit_link([(size, cpu) for (size, _), cpu in
+                     zip(profile.buckets, profile.bucket_cpu_s)])[0]
+
+
+def choose(profile: StepProfile, cpu_weight: float = 0.0) -> Tuple[float, float, dict]:
+    """(first_bucket_mb, bucket_cap_mb, details) for the profiled step; `cpu_weight`:
+    how much longer the step gets for each CPU second a rank's communication takes
+    (R / C where R ranks share C cores, else 0)."""
     a, b = fit_link(profile.buckets)
+    per_bucket = cpu_per_bucket(profile) * cpu_weight
     total = sum(profile.param_bytes)
     caps = [mb for mb in CAP_CANDIDATES_MB if mb * MiB < 2 * total] or [CAP_CANDIDATES_MB[0]]
     layouts = []
@@ -106,10 +133,12 @@ def choose(profile: StepProfile) -> Tuple[float, float, dict]:
         for first in FIRST_CANDIDATES_MB:
             if first <= cap:
                 seconds, count = exposed(profile, cap * MiB, first * MiB, a, b)
-                layouts.append((seconds, count, cap, first))
-    best = min(seconds for seconds, *_ in layouts)
+                layouts.append((seconds + count * per_bucket, count, cap, first, seconds))
+    best = min(cost for cost, *_ in layouts)
     tied = [layout for layout in layouts
             if layout[0] <= max(best * (1 + NEAR_TIE), best + NEAR_TIE_S)]
-    seconds, count, cap, first = min(tied, key=lambda layout: (layout[1], -layout[3],
-                                                              layout[0]))
-    return first, cap, dict(a=a, b=b, exposed_s=seconds, buckets=count, best_s=best)
+    cost, count, cap, first, seconds = min(tied, key=lambda layout: (layout[1], -layout[3],
+                                                                     layout[0]))
+    return first, cap, dict(a=a, b=b, exposed_s=seconds, buckets=count, best_s=best,
+                            cpu_per_bucket_s=per_bucket / cpu_weight if cpu_weight else 0.0,
+                            cpu_weight=cpu_weight)

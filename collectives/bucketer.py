@@ -18,15 +18,18 @@ bucketer does what DDP's Reducer does:
    bucket's last gradient arrives, the bucket is handed to a communication thread,
    which runs `reduce_bucket(flat_buffer)` while backward goes on computing earlier
    layers. Buckets are launched strictly in index order, so every rank issues the same
-   collectives in the same order even if its hooks fire in a different order.
+   collectives in the same order even if its hooks fire in a different order. A
+   strategy that averages (`divisor`, asked once a step) gets its gradients already
+   divided by the world size: the copy into the bucket divides, as DDP's Reducer's
+   does, instead of a pass over the bucket of its own.
 
 3. Finish. `finish()` waits for every bucket and writes the reduced values back into
    `param.grad`. DDP mode calls it automatically when backward ends (an autograd engine
    callback); the Horovod face calls it from optimizer.step().
 
-Each synced step leaves a profile (`profile()`): when every gradient became ready and
-how long each bucket's reduction ran. bucket_sizes.py sizes the buckets from it
-(DDP's bucket_cap_mb="auto").
+Each synced step leaves a profile (`profile()`): when every gradient became ready, how
+long each bucket's reduction ran and what CPU it took. bucket_sizes.py sizes the
+buckets from it (DDP's bucket_cap_mb="auto").
 
 Accumulation: a step may be several backward passes. DDP's no_sync() passes
 (`enabled = False`) only accumulate into .grad; the next pass outside it reduces.
@@ -76,6 +79,7 @@ from .transport import Transport
 
 MiB = 1 << 20
 UNUSED_MODES = ("error", "detect", "zeros")
+_UNASKED = object()  # a step's divisor before its first gradient asks for it
 
 
 @dataclass
@@ -191,7 +195,8 @@ class Bucketer:
                  finish_after_backward: bool = True, names: Optional[Dict[int, str]] = None,
                  passes_per_sync: int = 1, sparse_as_dense: bool = False,
                  sparse_reduce: Optional[Callable[[torch.Tensor, torch.Tensor],
-                                                  Callable[[], torch.Tensor]]] = None):
+                                                  Callable[[], torch.Tensor]]] = None,
+                 divisor: Optional[Callable[[], Optional[int]]] = None):
         if unused not in UNUSED_MODES:
             raise ValueError(f"unused={unused!r}: choose from {', '.join(UNUSED_MODES)}")
         trainable = [p for p in reversed(list(params)) if p.requires_grad]
@@ -209,6 +214,10 @@ class Bucketer:
         self._sparse: Dict[int, int] = {}  # id(param) -> sparse_dim of its gradient
         self._sparse_reduced: Dict[int, Callable[[], torch.Tensor]] = {}  # id -> wait
         self.finish_after_backward = finish_after_backward
+        # What every gradient is divided by as it goes in its bucket (None: nothing),
+        # asked at the first gradient of each step (SyncStrategy.gradient_divisor)
+        self.divisor = divisor
+        self._step_divisor: object = _UNASKED
         self.names = names or {}
         self.buckets: List[Bucket] = []
         self.where: Dict[int, tuple] = {}  # id(param) -> (bucket index, position)
@@ -240,7 +249,8 @@ class Bucketer:
         self.synced_steps = 0  # steps whose reduction completed
         self._ready_ns: Dict[int, int] = {}  # id(param) -> when it went in its bucket
         self._reduce_seconds = [0.0] * len(self.buckets)
-        self._last_step: Optional[tuple] = None  # (ready times, reduce seconds): profile()
+        self._reduce_cpu = [0.0] * len(self.buckets)  # CPU of the comm thread, each bucket
+        self._last_step: Optional[tuple] = None  # (ready times, seconds, CPU): profile()
         self._pending: List[threading.Event] = []
         self._next_to_launch = 0
         self._step_started = False
@@ -277,6 +287,7 @@ class Bucketer:
         param = bucket.params[position]
         slot = bucket.slot(position)
         grad = param.grad
+        divisor = self._divisor()
         if grad is None:
             slot.zero_()
         elif grad.is_sparse:
@@ -289,10 +300,27 @@ class Bucketer:
                                    "pass sparse_as_dense=True to reduce it as a dense one")
             self._sparse[id(param)] = grad.sparse_dim()
             slot.copy_(grad.to_dense())
+            if divisor is not None:
+                slot.div_(divisor)
         elif grad.data_ptr() != slot.data_ptr():
-            slot.copy_(grad)  # copy mode, or the optimizer replaced a view with None
+            # copy mode, or the optimizer replaced a view with None
+            if divisor is None:
+                slot.copy_(grad)
+            elif grad.requires_grad:  # backward(create_graph=True): out= would refuse it
+                slot.copy_(grad).div_(divisor)
+            else:  # one pass: read the gradient, write it divided
+                torch.div(grad, divisor, out=slot)
             if view:
                 param.grad = slot
+        elif divisor is not None:  # the gradient lives in its slot already
+            slot.div_(divisor)
+
+    def _divisor(self) -> Optional[int]:
+        """This step's divisor (asked once a step: a strategy may change it between
+        steps, as local SGD does when its warm-up ends)."""
+        if self._step_divisor is _UNASKED:
+            self._step_divisor = self.divisor() if self.divisor is not None else None
+        return self._step_divisor
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in index order, as far as they are complete."""
@@ -305,9 +333,10 @@ class Bucketer:
             self._next_to_launch += 1
 
     def _reduce_timed(self, index: int, buffer: torch.Tensor) -> None:
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         self.reduce_bucket(buffer)
         self._reduce_seconds[index] = time.perf_counter() - started
+        self._reduce_cpu[index] = time.thread_time() - cpu
 
     # --- after backward ----------------------------------------------------------------
     def finish(self, always: bool = False) -> None:
@@ -340,7 +369,8 @@ class Bucketer:
             reduced_sparse = _wait_for_every_one(sparse_reduced)
         self.synced_steps += 1
         # kept as they are (a swap, no work on every step); profile() reads them
-        self._last_step, self._ready_ns = (self._ready_ns, list(self._reduce_seconds)), {}
+        self._last_step, self._ready_ns = (
+            (self._ready_ns, list(self._reduce_seconds), list(self._reduce_cpu)), {})
         if missing and self.unused == "error":
             names = ", ".join(self._name(p) for p in missing[:5])
             raise RuntimeError(
@@ -370,11 +400,12 @@ class Bucketer:
 
     def profile(self) -> Optional[StepProfile]:
         """The last synced step (None before there is one): when each gradient became
-        ready and how long each bucket's reduction took. A gradient that did not
-        arrive in backward counts as ready when backward ended (finish() filled it in)."""
+        ready, how long each bucket's reduction took, and the CPU it took on the
+        communication thread. A gradient that did not arrive in backward counts as
+        ready when backward ended (finish() filled it in)."""
         if self._last_step is None:
             return None
-        ready_ns, reduce_seconds = self._last_step
+        ready_ns, reduce_seconds, reduce_cpu = self._last_step
         flat = [p for b in self.buckets for p in b.params]
         arrived = [ready_ns.get(id(p)) for p in flat]
         if all(at is None for at in arrived):
@@ -386,7 +417,8 @@ class Bucketer:
             param_bytes=[p.numel() * p.element_size() for p in flat],
             ready_s=[(at - first) / 1e9 for at in ready],
             buckets=[(b.buffer.numel() * b.buffer.element_size(), seconds)
-                     for b, seconds in zip(self.buckets, reduce_seconds)])
+                     for b, seconds in zip(self.buckets, reduce_seconds)],
+            bucket_cpu_s=reduce_cpu)
 
     def shadow(self) -> None:
         """Take part in one step's reductions with nothing to contribute.
@@ -433,6 +465,7 @@ class Bucketer:
         self._pending = []
         self._next_to_launch = 0
         self._step_started = False
+        self._step_divisor = _UNASKED
         for bucket in self.buckets:
             bucket.ready = [False] * len(bucket.params)
             bucket.used = [False] * len(bucket.params)

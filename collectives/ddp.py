@@ -32,6 +32,7 @@ Which ranks: a script that made a torch.distributed process group itself
 from __future__ import annotations
 
 import contextlib
+import os
 import zlib
 from typing import List, Optional
 
@@ -49,6 +50,17 @@ from .transport import Transport
 # bucket_cap_mb="auto": synced steps with DDP's sizes before the buckets are re-cut (the
 # first step's reductions also pay for first-touch allocations and connections)
 AUTO_BUCKET_STEPS = 2
+
+
+def cpu_weight(comm: Transport) -> float:
+    """How much longer a step gets for each CPU second this rank's communication takes
+    (bucket_sizes.choose): R / C where the R ranks on this machine keep its C cores
+    busy computing (R >= C), else 0. On the emulated cluster every host is this
+    machine."""
+    from .cluster import emulated
+    sharing = comm.world_size if emulated() else len(comm.topology.local_ranks(comm.rank))
+    cores = os.cpu_count() or 1  # the machine's: a launcher may pin each rank to a few
+    return sharing / cores if sharing >= cores else 0.0
 
 
 def check_same_model(module: nn.Module, comm: Transport) -> None:
@@ -94,10 +106,12 @@ class DistributedDataParallel(nn.Module):
           after AUTO_BUCKET_STEPS synced steps with the defaults, from how long those
           steps' reductions took and when their gradients became ready
           (bucket_sizes.py). Every rank takes rank 0's sizes; `bucket_choice` holds
-          them and this rank's own fit and replay (a, b, exposed_s, buckets). The
-          layout follows timings: two runs (a resumed one too) may cut differently,
-          and with 3 or more ranks a different cut sums in another order (the last
-          bits of the gradients may differ).
+          them and this rank's own fit and replay (a, b, exposed_s, buckets; the CPU
+          a bucket costs, cpu_per_bucket_s, and what it weighs, cpu_weight; best_s:
+          the least cost, exposed time plus CPU, of any layout). The layout follows
+          timings: two runs (a resumed one too) may cut differently, and with 3 or
+          more ranks a different cut sums in another order (the last bits of the
+          gradients may differ).
       find_unused_parameters: allow parameters without a gradient in a step (and leave
           .grad alone for those that no rank used). static_graph=True implies it, as
           torch's static graph supports unused parameters.
@@ -173,7 +187,7 @@ class DistributedDataParallel(nn.Module):
     def _make_bucketer(self, cap_mb: float, first_mb: float) -> None:
         self.bucketer = Bucketer(self.module.parameters(), self.sync.reduce_bucket, self.comm,
                                  bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
-                                 **self._bucketer_options)
+                                 divisor=self.sync.gradient_divisor, **self._bucketer_options)
         try:
             check_same_buckets(self.bucketer, self.comm)
         except BaseException:  # its hooks must not stay on the model, nor its thread run
@@ -186,7 +200,8 @@ class DistributedDataParallel(nn.Module):
         profiled step and re-cuts its buckets if the choice differs."""
         self._auto_buckets = False
         profile = self.bucketer.profile()
-        first, cap, details = choose_bucket_sizes(profile) if profile else (0, 0, {})
+        first, cap, details = (choose_bucket_sizes(profile, cpu_weight(self.comm))
+                               if profile else (0, 0, {}))
         chosen = gather_rows(self.comm, [round(first * 1024), round(cap * 1024)])[0]
         if not chosen[1]:
             return  # rank 0 saw no gradient arrive: DDP's sizes stay

@@ -2,7 +2,8 @@
 against hand-worked cases."""
 import pytest
 
-from collectives.bucket_sizes import MiB, StepProfile, choose, cut, exposed, fit_link
+from collectives.bucket_sizes import (MiB, NEAR_TIE, NEAR_TIE_S, StepProfile, choose, cut,
+                                      exposed, fit_link)
 
 
 def test_the_link_is_fitted_from_the_measured_buckets():
@@ -44,3 +45,25 @@ def test_a_slow_link_cuts_more_buckets_than_a_link_that_costs_latency():
     fixed = StepProfile([MiB] * 40, ready, buckets=[(MiB, 0.05), (25 * MiB, 0.05)])
     first, cap, details = choose(fixed)
     assert details["buckets"] == 1 and cap * MiB >= 40 * MiB
+
+
+def test_cpu_a_bucket_costs_on_shared_cores_buys_fewer_buckets():
+    # Small buckets leave the least exposed time, but each reduction also costs 3 ms of
+    # CPU whatever its size; on 4 ranks sharing 2 cores (weight 2) that is 6 ms of step
+    # a bucket, and the choice goes to fewer, bigger ones. With cores to spare (weight
+    # 0) the CPU costs the step nothing and the choice is the one made without it.
+    ready = [i * 0.02 for i in range(40)]  # 40 MiB of gradients over 0.8 s of backward
+    timings = [(MiB, 0.0015), (9 * MiB, 0.0095), (25 * MiB, 0.0255)]  # 1 ms/MiB + 0.5 ms
+    cpu = [0.003 + 0.0002 * size / MiB for size, _ in timings]
+    profile = StepProfile([MiB] * 40, ready, buckets=timings, bucket_cpu_s=cpu)
+    from collectives.bucket_sizes import cpu_per_bucket
+    assert cpu_per_bucket(profile) == pytest.approx(0.003)
+    spare = choose(profile, cpu_weight=0.0)
+    assert spare == choose(StepProfile([MiB] * 40, ready, buckets=timings))
+    shared = choose(profile, cpu_weight=2.0)
+    assert shared[2]["buckets"] < spare[2]["buckets"], (spare, shared)
+    assert shared[2]["cpu_per_bucket_s"] == pytest.approx(0.003)
+    # the cost it minimised: exposed time plus the CPU of its buckets, on the step
+    cost = shared[2]["exposed_s"] + shared[2]["buckets"] * 0.003 * 2.0
+    best = shared[2]["best_s"]
+    assert best <= cost <= max(best * (1 + NEAR_TIE), best + NEAR_TIE_S)

@@ -1,5 +1,6 @@
 """The sync-strategy zoo: exact properties, byte counts, and learning on real MNIST."""
 import os
+import warnings
 from datetime import timedelta
 
 import pytest
@@ -187,3 +188,68 @@ def test_topk_residuals_resume_by_bucket_index_in_new_buffers():
     actual = reduce(resumed, [torch.zeros(300), torch.zeros(500)], 1)  # new addresses
     for index, (a, b) in enumerate(zip(actual, expected)):
         assert torch.equal(a, b), f"bucket {index} differs after the state moved"
+
+
+@pytest.mark.parametrize("view", [False, True])
+def test_gradients_reach_the_strategy_divided_as_they_enter_their_bucket(view):
+    # An averaging strategy's division is done by the copy into the bucket: reduce_bucket
+    # sees gradient / divisor, asked once a step (None: the gradients as they are), in
+    # copy mode and when .grad is a view of the bucket alike.
+    from collectives.bucketer import Bucketer
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=30))
+    model = mlp()
+    divisors = iter([4, None])
+    seen = []
+    bucketer = Bucketer(model.parameters(), lambda flat: seen.append(flat.clone()), comm,
+                        gradient_as_bucket_view=view, divisor=lambda: next(divisors))
+    try:
+        x = torch.randn(8, 20, dtype=torch.float64)
+        for divisor in (4, None):
+            model.zero_grad()
+            seen.clear()
+            model(x).square().sum().backward()
+            expected = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+            wanted = torch.cat([g.reshape(-1) for g in reversed(expected)])
+            got = torch.cat(seen)
+            torch.testing.assert_close(got, wanted / (divisor or 1), rtol=0, atol=0)
+            for param, gradient in zip(model.parameters(), expected):
+                torch.testing.assert_close(param.grad, gradient / (divisor or 1), rtol=0, atol=0)
+    finally:
+        bucketer.close()
+
+
+def test_local_sgd_divides_gradients_only_while_it_averages_them():
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=30))
+    comm.world_size = 4  # the divisor is all that is asked of it here
+    strategy = sync.create("local-sgd", period=4, warmup_steps=2)
+    strategy.setup(mlp(), comm)
+    assert strategy.gradient_divisor() == 4  # warm-up: gradients are averaged
+    strategy.steps_done = 2
+    assert strategy.gradient_divisor() is None  # local steps: each rank's own gradient
+    strategy = sync.create("topk", ratio=0.5)
+    strategy.setup(mlp(), comm)
+    assert strategy.gradient_divisor() is None  # divides after gathering, itself
+    for name in ("allreduce", "bf16", "fp16"):
+        strategy = sync.create(name)
+        strategy.setup(mlp(), comm)
+        assert strategy.gradient_divisor() == 4, name
+
+
+def test_gradients_with_a_graph_of_their_own_are_divided_too():
+    # backward(create_graph=True) (a gradient penalty): the gradients require grad, which
+    # a division written straight into the bucket (out=) refuses
+    from collectives.bucketer import Bucketer
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=30))
+    model = mlp()
+    bucketer = Bucketer(model.parameters(), lambda flat: None, comm, divisor=lambda: 4)
+    try:
+        x = torch.randn(8, 20, dtype=torch.float64)
+        expected = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+        with warnings.catch_warnings():  # torch's about the reference cycle below
+            warnings.simplefilter("ignore")
+            model(x).square().sum().backward(create_graph=True)
+        for param, gradient in zip(model.parameters(), expected):
+            torch.testing.assert_close(param.grad, gradient / 4)
+    finally:
+        bucketer.close()
+        model.zero_grad()  # the graph's reference cycle

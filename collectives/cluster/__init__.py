@@ -29,6 +29,12 @@ from .network import (ClusterError, ClusterSpec, Network, bucket_bytes, rate_bit
                       remove_leftovers)
 
 
+def emulated() -> bool:
+    """Whether this rank runs on the emulated cluster, where every host is this one
+    machine (its cores shared by all of them)."""
+    return bool(os.environ.get("COLLECTIVES_CLUSTER_IFACE"))
+
+
 def link_bytes() -> Optional[Dict[str, int]]:
     """{"sent", "received"}: bytes through this host's NIC so far (frames as the kernel
     counts them: payload plus Ethernet, IP and TCP headers). None off the cluster."""

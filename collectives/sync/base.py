@@ -4,7 +4,8 @@ Data-parallel training has a few moments where communication can happen. A strat
 is one small class that acts at some of them:
 
     reduce_bucket(flat)        a bucket of gradients is complete (runs on the comm
-                               thread, overlapped with the rest of backward)
+                               thread, overlapped with the rest of backward); what
+                               gradient_divisor() says was already divided out
     after_backward(model)      every bucket has been reduced, before the optimizer step
     after_step(model, step)    the optimizer has updated the parameters
 
@@ -62,7 +63,7 @@ transport's counters say what it sent. Register a new one with `@register("name"
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Type
+from typing import Any, Callable, Dict, Iterable, Optional, Type
 
 import torch
 
@@ -106,6 +107,15 @@ class SyncStrategy:
     def setup(self, model: torch.nn.Module, comm: Transport) -> None:
         """Called once, after parameters have been broadcast from rank 0."""
         self.model, self.comm = model, comm
+
+    def gradient_divisor(self) -> Optional[int]:
+        """What each gradient should be divided by as it goes in its bucket, or None.
+
+        A strategy that averages says the world size: reduce_bucket then gets the
+        gradients already divided, and the division costs no pass over memory of its
+        own (the bucketer divides while it copies, as DDP's Reducer does). Asked once
+        a step, at its first gradient."""
+        return None
 
     def reduce_bucket(self, flat: torch.Tensor) -> None:
         """Reduce one flat bucket of gradients in place (on the comm thread)."""

@@ -20,7 +20,7 @@ accuracy matching dense SGD at 0.1-1 % density with error feedback.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -33,8 +33,9 @@ class _CastAllReduce(AllReduce):
     dtype = torch.float16
 
     def reduce_bucket(self, flat: torch.Tensor) -> None:
-        # Divide first, then cast: in float16 a sum of large gradients could overflow.
-        compact = flat.div(self.comm.world_size).to(self.dtype)
+        # Divided first (gradient_divisor), then cast: in float16 a sum of large
+        # gradients could overflow.
+        compact = flat.to(self.dtype)
         api.all_reduce(compact, op="sum", algorithm=self.algorithm, comm=self.comm, check=False)
         flat.copy_(compact)
 
@@ -59,6 +60,9 @@ class TopK(AllReduce):
         self.errors: Dict[int, torch.Tensor] = {}  # per bucket index: what was not sent yet
         self.keeps_bucket_state = True
         self.bucket_index: Dict[int, int] = {}     # a bucket buffer's address -> its index
+
+    def gradient_divisor(self) -> Optional[int]:
+        return None  # the residuals are kept in the gradients' own scale; divided at the end
 
     def _index_of(self, flat: torch.Tensor) -> int:
         """The bucketer's index of this bucket. The bucketer hands buckets over one at a

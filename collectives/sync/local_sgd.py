@@ -17,7 +17,7 @@ the trainer saves for every rank.
 """
 from __future__ import annotations
 
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -45,6 +45,9 @@ class LocalSGD(AllReduce):
             raise ValueError(f"local-sgd: warmup_steps must be 0 or more, got {warmup_steps}")
         self.period, self.warmup_steps = period, warmup_steps
         self.steps_done = 0
+
+    def gradient_divisor(self) -> Optional[int]:
+        return super().gradient_divisor() if self.steps_done < self.warmup_steps else None
 
     def reduce_bucket(self, flat: torch.Tensor) -> None:
         if self.steps_done < self.warmup_steps:  # synchronous warm-up: average gradients
