@@ -126,7 +126,8 @@ def choose(profile: StepProfile, cpu_weight: float = 0.0) -> Tuple[float, float,
     how much longer the step gets for each CPU second a rank's communication takes
     (R / C where R ranks share C cores, else 0)."""
     a, b = fit_link(profile.buckets)
-    per_bucket = cpu_per_bucket(profile) * cpu_weight
+    c = cpu_per_bucket(profile)
+    per_bucket = c * cpu_weight  # seconds of step each bucket's CPU costs
     total = sum(profile.param_bytes)
     caps = [mb for mb in CAP_CANDIDATES_MB if mb * MiB < 2 * total] or [CAP_CANDIDATES_MB[0]]
     layouts = []
@@ -141,5 +142,4 @@ def choose(profile: StepProfile, cpu_weight: float = 0.0) -> Tuple[float, float,
     cost, count, cap, first, seconds = min(tied, key=lambda layout: (layout[1], -layout[3],
                                                                      layout[0]))
     return first, cap, dict(a=a, b=b, exposed_s=seconds, buckets=count, best_s=best,
-                            cpu_per_bucket_s=per_bucket / cpu_weight if cpu_weight else 0.0,
-                            cpu_weight=cpu_weight)
+                            cpu_per_bucket_s=c, cpu_weight=cpu_weight)
