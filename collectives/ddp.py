@@ -44,6 +44,7 @@ from .api import broadcast_coalesced, gather_rows
 from .world import adopt_torch_group, get_comm
 from .bucket_sizes import choose as choose_bucket_sizes
 from .bucketer import Bucketer
+from .cluster import emulated
 from .sync import SyncStrategy, create
 from .transport import Transport
 
@@ -57,7 +58,6 @@ def cpu_weight(comm: Transport) -> float:
     (bucket_sizes.choose): R / C where the R ranks on this machine keep its C cores
     busy computing (R >= C), else 0. On the emulated cluster every host is this
     machine."""
-    from .cluster import emulated
     sharing = comm.world_size if emulated() else len(comm.topology.local_ranks(comm.rank))
     cores = os.cpu_count() or 1  # the machine's: a launcher may pin each rank to a few
     return sharing / cores if sharing >= cores else 0.0

@@ -2,8 +2,8 @@
 against hand-worked cases."""
 import pytest
 
-from collectives.bucket_sizes import (MiB, NEAR_TIE, NEAR_TIE_S, StepProfile, choose, cut,
-                                      exposed, fit_link)
+from collectives.bucket_sizes import (MiB, NEAR_TIE, NEAR_TIE_S, StepProfile, choose,
+                                      cpu_per_bucket, cut, exposed, fit_link)
 
 
 def test_the_link_is_fitted_from_the_measured_buckets():
@@ -56,7 +56,6 @@ def test_cpu_a_bucket_costs_on_shared_cores_buys_fewer_buckets():
     timings = [(MiB, 0.0015), (9 * MiB, 0.0095), (25 * MiB, 0.0255)]  # 1 ms/MiB + 0.5 ms
     cpu = [0.003 + 0.0002 * size / MiB for size, _ in timings]
     profile = StepProfile([MiB] * 40, ready, buckets=timings, bucket_cpu_s=cpu)
-    from collectives.bucket_sizes import cpu_per_bucket
     assert cpu_per_bucket(profile) == pytest.approx(0.003)
     spare = choose(profile, cpu_weight=0.0)
     without = choose(StepProfile([MiB] * 40, ready, buckets=timings))
