@@ -13,12 +13,18 @@ TIME_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 
 
 def parse_rate(text: str) -> float:
-    """'25gbit' -> bytes per second (3.125e9)."""
-    match = re.fullmatch(r"([\d.]+)\s*([kmgt]?bit)(/s|ps)?", text.strip().lower())
+    """'25gbit' -> bytes per second (3.125e9). A rate of 0 is refused: a link that moves
+    nothing is no link (and callers take 0 to mean "the measured one")."""
+    match = re.fullmatch(r"(\d+\.?\d*|\.\d+)\s*([kmgt]?bit)(/s|ps)?", text.strip().lower())
     if not match:
         raise argparse.ArgumentTypeError(
             f"bad rate {text!r}: write it as tc does, e.g. 100mbit, 1gbit, 25gbit")
-    return float(match.group(1)) * RATE_UNITS[match.group(2)] / 8
+    rate = float(match.group(1)) * RATE_UNITS[match.group(2)] / 8
+    if rate <= 0:
+        raise argparse.ArgumentTypeError(
+            f"bad rate {text!r}: a link's rate must be more than 0 (e.g. 100mbit); leave "
+            "--bandwidth out for the measured link")
+    return rate
 
 
 def parse_latency(text: str) -> float:
