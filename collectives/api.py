@@ -50,6 +50,7 @@ DEBUG = os.environ.get("COLLECTIVES_DEBUG", "").upper() == "DETAIL"
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
 _COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
+BITWISE_OPS = ("band", "bor", "bxor")  # integer tensors only
 ALGORITHM_IDS = {name: i for i, name in enumerate(
     ["auto", "ring", "halving-doubling", "tree", "naive", "native", "hierarchical"])}
 
@@ -65,6 +66,16 @@ def _check_tensor(tensor: torch.Tensor, what: str) -> None:
     if tensor.dtype not in SUPPORTED_DTYPES:
         raise TypeError(f"{what} has dtype {tensor.dtype}, which is not one of "
                         f"{', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
+
+
+def _check_op(op: str, tensor: torch.Tensor, what: str) -> None:
+    """A reduce op the tensor's dtype has, or a clear error before anything is sent:
+    every rank checks the same arguments, so every rank refuses alike and the
+    communicator stays usable (gloo refuses the bitwise ops on floats the same way)."""
+    _check_choice(op, REDUCE_OPS, "reduce op")
+    if op in BITWISE_OPS and tensor.is_floating_point():
+        raise TypeError(f"{what}: op {op!r} is bitwise and takes integer tensors; "
+                        f"{str(tensor.dtype).replace('torch.', '')} has no bits to combine")
 
 
 def _check_choice(value: str, allowed: Sequence[str], what: str) -> None:
@@ -267,7 +278,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
     """
     comm = comm or get_comm()
     _check_tensor(tensor, "all_reduce: tensor")
-    _check_choice(op, REDUCE_OPS, "reduce op")
+    _check_op(op, tensor, "all_reduce")
     chosen = _pick("all_reduce", algorithm, tensor, comm)
     if comm.world_size == 1:
         return tensor
@@ -301,7 +312,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
     comm = comm or get_comm()
     _check_tensor(output, "reduce_scatter: output")
     _check_tensor(input, "reduce_scatter: input")
-    _check_choice(op, REDUCE_OPS, "reduce op")
+    _check_op(op, input, "reduce_scatter")
     if input.numel() != output.numel() * comm.world_size or input.dtype != output.dtype:
         raise ValueError(f"reduce_scatter: input must have world_size ({comm.world_size}) x "
                          f"output's numel ({output.numel()}) elements of output's dtype; got "
@@ -320,7 +331,8 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
                algorithm: str = "auto", comm: Optional[Transport] = None,
                check: bool = True):
     """Gather every rank's `input` into `output`: one tensor of world_size x input's
-    elements (rank r's at slot r), or a list of world_size tensors like input."""
+    elements (rank r's at slot r), or a list of world_size tensors of input's dtype and
+    shape (as torch's: a list that differs is refused, never converted)."""
     comm = comm or get_comm()
     _check_tensor(input, "all_gather: input")
     n, count = comm.world_size, input.numel()
@@ -328,6 +340,14 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
         if len(output) != n:
             raise ValueError(f"all_gather: output list has {len(output)} tensors, "
                              f"the world has {n} ranks")
+        for slot, tensor in enumerate(output):
+            if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+                raise TypeError(f"all_gather: output {slot} must be a dense torch.Tensor")
+            if tensor.dtype != input.dtype or tensor.shape != input.shape:
+                raise ValueError(
+                    f"all_gather: output {slot} is {str(tensor.dtype).replace('torch.', '')} "
+                    f"{tuple(tensor.shape)}; every output must have input's dtype and shape "
+                    f"({str(input.dtype).replace('torch.', '')} {tuple(input.shape)})")
         flat = input.new_empty(n * count)
     else:
         _check_tensor(output, "all_gather: output")
@@ -343,8 +363,8 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
             if count:
                 algorithms.ALL_GATHER[chosen](comm, flat)
     if isinstance(output, (list, tuple)):
-        for slot, tensor in enumerate(output):
-            tensor.view(-1).copy_(flat[slot * count:(slot + 1) * count])
+        for slot, tensor in enumerate(output):  # (copy_ writes strided outputs too)
+            tensor.copy_(flat[slot * count:(slot + 1) * count].view(input.shape))
     return output
 
 
@@ -389,10 +409,27 @@ def _through_flat_buffers(tensors: Sequence[torch.Tensor], run) -> None:
             offset += tensor.numel()
 
 
+def _check_each(tensors: Sequence[torch.Tensor], what: str) -> Sequence[torch.Tensor]:
+    """Every tensor of a coalesced call checked before the first flat buffer is sent,
+    so that a bad one is refused on every rank with nothing moved (any layout of a
+    dense tensor is fine: each is copied into a flat buffer and back)."""
+    for index, tensor in enumerate(tensors):
+        if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+            raise TypeError(f"{what}: tensor {index} must be a dense torch.Tensor")
+        if tensor.dtype not in SUPPORTED_DTYPES:
+            raise TypeError(f"{what}: tensor {index} has dtype {tensor.dtype}, which is not "
+                            f"one of {', '.join(str(d).replace('torch.', '') for d in SUPPORTED_DTYPES)}")
+    return tensors
+
+
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
                         comm: Optional[Transport] = None) -> None:
     """Broadcast many tensors in place with one message per dtype (not one per tensor)."""
     comm = comm or get_comm()
+    _check_each(tensors, "broadcast_coalesced")
+    if not 0 <= src < comm.world_size:
+        raise ValueError(f"broadcast_coalesced: src={src} is not a rank of a world of "
+                         f"{comm.world_size}")
     if comm.world_size > 1:
         _through_flat_buffers(tensors, lambda flat: broadcast(flat, src, "native", comm,
                                                               check=False))
@@ -402,6 +439,9 @@ def all_reduce_coalesced(tensors: Sequence[torch.Tensor], op: str = "avg",
                          algorithm: str = "auto", comm: Optional[Transport] = None) -> None:
     """All-reduce many tensors in place through one flat buffer per dtype."""
     comm = comm or get_comm()
+    for tensor in _check_each(tensors, "all_reduce_coalesced"):
+        _check_op(op, tensor, "all_reduce_coalesced")
+    _check_choice(algorithm, algorithms.names("all_reduce"), "algorithm")
     if comm.world_size > 1:
         _through_flat_buffers(tensors, lambda flat: all_reduce(flat, op, algorithm, comm,
                                                                check=False))

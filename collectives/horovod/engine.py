@@ -44,9 +44,23 @@ last cycle, and every rank's engine stops with it: what was waiting there fails 
 with HorovodInternalError, as does anything submitted later, instead of waiting for the
 timeout. A peer that dies without a word is found by the transport (a closed connection,
 or shared memory's check of its process) in the next cycle, with the same effect. An
-error that concerns one collective (the ranks disagree on it, it stalled past the
-timeout, it cannot run while a rank is joined) fails that collective only, on every
+error that concerns one collective (the ranks disagree on it, a named one stalled past
+the timeout, it cannot run while a rank is joined) fails that collective only, on every
 rank that submitted it, and the next one runs as usual.
+
+Unnamed collectives never pair different calls. Two things keep every rank's n in step:
+- what the table decides about an unnamed name (it ran, with joined ranks standing in;
+  it was refused because a rank is joined; the ranks disagreed on it) counts on every
+  rank, submitter or not (`_count_unnamed`): a rank that was joined meanwhile then
+  numbers its next unnamed call as the others do;
+- an unnamed name that stalls past the stall timeout stops every rank's engine in the
+  same cycle, with one line saying why (negotiation.UNNAMED_STALL), as Horovod shuts
+  down once a stall passes HOROVOD_STALL_SHUTDOWN_TIME_SECONDS. Counting it on the
+  ranks that did not submit it would be wrong as often as right: a rank that made a
+  stray call it alone makes must be counted, a rank that is merely late and will
+  submit the same call must not, and no rank can tell which. Failing that one name
+  and going on (what a named collective does: its name says which call it is) would
+  pair the late rank's call with the others' next one, a silently wrong number.
 
 The engine talks over a duplicate of the communicator, so its cycles never mix with
 other traffic (the script's own collectives, DDP's buckets).
@@ -57,7 +71,6 @@ import itertools
 import logging
 import os
 import pickle
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -69,14 +82,14 @@ from .. import api
 from ..launch.exit import stop_at_exit
 from ..transport import PeerError, Transport
 from ..transport.group import Group
-from .negotiation import Message, Meta, Outcome, StallInspector, Table, scoped
+from .negotiation import (Message, Meta, Outcome, StallInspector, Table, scoped,
+                          unnamed_number)
 
 log = logging.getLogger("collectives.horovod")
 
 # Horovod's settings, read once per engine (seconds unless said otherwise)
 STALL_WARNING_SECONDS = 60.0   # HOROVOD_STALL_CHECK_TIME_SECONDS
 CYCLE_MS = 5.0                 # HOROVOD_CYCLE_TIME: the longest idle wait between cycles
-UNNAMED = re.compile(r"[a-z_]+\.noname\.(\d+)")  # kind.noname.<n>: an unnamed call
 FIRST_IDLE_WAIT = 0.0005       # an idle cycle waits this long, doubling up to CYCLE_MS
 
 
@@ -260,6 +273,9 @@ class Engine:
                 message = self._outgoing()
                 messages = self._exchange(message)
                 outcome = self.table.apply(messages, time.monotonic(), self.stall_timeout)
+                if outcome.halt is not None:  # the same cycle on every rank
+                    self._stop_everything(f"Horovod has been shut down: {outcome.halt}")
+                    return
                 if outcome.shutdown_by is not None:
                     self._fail(outcome)
                     who = ("this rank" if outcome.shutdown_by == self.rank
@@ -326,16 +342,24 @@ class Engine:
                 if n else Message() for r, n in enumerate(lengths)]
 
     def _count_unnamed(self, name: str) -> None:
-        """An unnamed collective the others ran while this rank was joined counts here
-        too: after join() this rank's next unnamed call gets the number theirs does."""
-        number = UNNAMED.fullmatch(name)  # (the global set's names only: join is global)
+        """An unnamed collective that the table ran or failed counts on every rank,
+        whether this rank submitted it or not: after join() (the others' allreduces ran
+        without this rank; their broadcast, allgather or add_process_set was refused
+        while it was joined) this rank's next unnamed call gets the number theirs does.
+        Sound because every such outcome is final for the ranks that did not submit: a
+        joined rank makes no call of its own until every rank has joined, by which time
+        the others are past it. (A name that stalled is another matter: the missing
+        ranks may yet submit it, so the engines stop instead, see negotiation.py.)"""
+        number = unnamed_number(name)
         if number is not None:
+            process_set, n = number
             with self._lock:
-                self._next_unnamed[0] = max(self._next_unnamed.get(0, 1),
-                                            int(number.group(1)) + 1)
+                self._next_unnamed[process_set] = max(self._next_unnamed.get(process_set, 1),
+                                                      n + 1)
 
     def _fail(self, outcome: Outcome) -> None:
         for name, _ranks, why in outcome.errors:
+            self._count_unnamed(name)
             with self._lock:
                 request = self._announced.pop(name, None)
             if request is not None:
@@ -354,13 +378,13 @@ class Engine:
         """Fail what failed, run what is ready (in the table's order), end join()."""
         self._fail(outcome)
         for name, metas in outcome.ready:
+            self._count_unnamed(name)
             with self._lock:
                 request = self._announced.pop(name, None)
             if request is None:
                 meta = next(iter(metas.values()))
                 if meta.process_set == 0:  # joined: this rank stands in
                     self.shadow(meta, self.comm)
-                    self._count_unnamed(name)
                 continue  # (another set's: its ranks run it)
             try:
                 comm, metas = self._scope(request.meta.process_set, metas)

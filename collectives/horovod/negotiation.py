@@ -58,6 +58,7 @@ stall timeout, gets an error naming the ranks that have not joined.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
@@ -117,6 +118,28 @@ class Meta:
         if self.members:
             text += f" of ranks {list(self.members)}"
         return text
+
+
+# kind.noname.<n> (a barrier: kind.noname), perhaps " in process set <k>"
+UNNAMED = re.compile(r"[a-z_]+\.noname(?:\.(\d+))?(?: in process set (\d+))?")
+UNNAMED_STALL = (
+    "; an unnamed collective is known by its number alone, and whether the missing ranks "
+    "will ever submit it cannot be told, so no later unnamed call could be paired safely: "
+    "every rank's engine has stopped, as Horovod shuts down once a stall passes "
+    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS (name the collective to have only it fail)")
+
+
+def is_unnamed(name: str) -> bool:
+    """Whether a table name is an unnamed collective's (`allreduce.noname.3`)."""
+    return UNNAMED.fullmatch(name) is not None
+
+
+def unnamed_number(name: str) -> Optional[Tuple[int, int]]:
+    """(process set, n) of `kind.noname.<n>` [in process set k]; None for other names."""
+    match = UNNAMED.fullmatch(name)
+    if match is None or match.group(1) is None:
+        return None
+    return int(match.group(2) or 0), int(match.group(1))
 
 
 def scoped(name: str, process_set: int) -> str:
@@ -190,6 +213,7 @@ class Outcome:
     join_done: Optional[int] = None      # every rank has joined: join() returns this rank
     join_failed: Optional[Tuple[Set[int], str]] = None  # (the joined ranks, why): it stalled
     shutdown_by: Optional[int] = None    # the lowest rank that announced a shutdown
+    halt: Optional[str] = None           # an unnamed collective stalled: every engine stops
 
 
 class Table:
@@ -217,8 +241,10 @@ class Table:
         for name in messages[0].expired:  # rank 0's stall inspector gave up on these
             entry = self.entries.pop(name, None)
             if entry is not None:
-                outcome.errors.append((name, set(entry.metas),
-                                       self._stall_error(name, entry, stall_timeout)))
+                why = self._stall_error(name, entry, stall_timeout)
+                outcome.errors.append((name, set(entry.metas), why))
+                if is_unnamed(name) and outcome.halt is None:
+                    outcome.halt = why + UNNAMED_STALL
         newly_joined = {rank for rank, message in enumerate(messages) if message.join}
         if newly_joined:
             self.joined |= newly_joined

@@ -236,13 +236,19 @@ def _reducescatter_one(tensor: torch.Tensor, op: str, prescale: float, postscale
         start += count
     _scale(padded, prescale)
     out = tensor.new_empty(widest * per_row)
-    if op == Average and not tensor.is_floating_point():  # rounded toward zero, as
-        wide = torch.empty(widest * per_row, dtype=torch.int64)  # allreduce's
+    if op == Average and not tensor.is_floating_point():
+        # Summed in int64, then scaled once by postscale / size and rounded toward zero,
+        # as allreduce's (_reduce_in_place): dividing first and scaling after would
+        # round twice (2 + 5 averaged with postscale 2: 6, where trunc(7 * 2 / 2) is 7).
+        wide = torch.empty(widest * per_row, dtype=torch.int64)
         api.reduce_scatter(wide, padded.to(torch.int64), op=Sum, comm=comm, check=False)
-        out.copy_(torch.div(wide, comm.world_size, rounding_mode="trunc"))
+        if postscale == 1.0:  # exact, even beyond float64's 2^53
+            out.copy_(torch.div(wide, comm.world_size, rounding_mode="trunc"))
+        else:
+            out.copy_((wide.double() * (postscale / comm.world_size)).to(out.dtype))
     else:
         api.reduce_scatter(out, padded, op=op, comm=comm, check=False)
-    _scale(out, postscale)
+        _scale(out, postscale)
     mine = rows[comm.rank]
     return out[:mine * per_row].view((mine,) + tuple(tensor.shape[1:]))
 
@@ -556,7 +562,12 @@ def _check_splits(tensor: torch.Tensor, splits, size: int) -> List[int]:
     """Horovod's alltoall splits: None (or empty) for equal parts; else int32 (a list is
     taken as int32), one count per rank of the set, summing to at most the first
     dimension (rows past the sum are not sent)."""
-    first = tensor.shape[0] if tensor.dim() else 1
+    if _check(tensor, "alltoall").dim() == 0:
+        # Horovod's words; refused here, on the caller's thread, so the engine never
+        # meets a tensor it cannot cut into rows
+        raise ValueError("alltoall: tried to alltoall a rank-zero tensor; it needs a first "
+                         "dimension to split (reshape it to (1,))")
+    first = tensor.shape[0]
     if splits is not None and not isinstance(splits, torch.Tensor):
         splits = torch.tensor(list(splits), dtype=torch.int32)
     if splits is None or splits.numel() == 0:

@@ -18,6 +18,19 @@ What torch asks for that our algorithms do not do directly:
                     works on a copy
     send/recv       the user's channel (routes.py), with torch's tags; a receive
                     from any source (recv without src) is not offered
+    bool, complex   moved as bytes / (real, imaginary) pairs; reduced as gloo reduces
+                    them: bool as uint8 (sum and max are "or", product and min "and"),
+                    complex sum and avg on its pairs (other ops refused, as gloo's)
+    strided views   (non-contiguous, or a size-1 dimension with an odd stride) run on a
+                    packed copy, copied back into the caller's tensor afterwards
+
+Arguments are checked on the caller's thread, before the call is queued (`_check_*`
+below): a call gloo refuses (a bitwise op on floats, premul_sum on integers, a list of
+the wrong length, outputs of another dtype or shape) raises there, from the
+torch.distributed call itself, with one line, and nothing is sent. Every rank checks
+the same arguments, so every rank refuses alike, and the group stays usable: only a
+failure once the call runs (a peer lost, ranks that disagree) leaves the group refusing
+the rest (work.py).
 """
 from __future__ import annotations
 
@@ -82,9 +95,112 @@ def _bytes_view(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+# The dtypes the backend moves (and, with the ops below, reduces): ours, and bool and
+# complex through _bytes_view.
+MOVABLE = tuple(api.SUPPORTED_DTYPES) + (torch.bool, torch.complex64, torch.complex128)
+# bool reduced as uint8 0/1, op by op as gloo reduces bool ("or" and "and"); no avg
+_BOOL_OPS = {"sum": "max", "max": "max", "bor": "bor", "product": "min", "min": "min",
+             "band": "band", "bxor": "bxor"}
+_COMPLEX_OPS = ("sum", "avg")  # complex (real, imaginary) pairs: ops that act on each
+
+
+def _is_packed(tensor: torch.Tensor) -> bool:
+    """Laid out as torch.empty(shape) would be: strides that a flat view and a byte view
+    both accept. (is_contiguous() is True for a size-1 dimension of any stride,
+    `arange(2)[::2]`, which a byte view refuses.)"""
+    expected = 1
+    for size, stride in zip(reversed(tensor.shape), reversed(tensor.stride())):
+        if stride != expected and size != 0:
+            return False
+        expected *= size
+    return True
+
+
+def _packed(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor itself where it is packed, else a packed copy (for an output: copy
+    the result back with _unpack)."""
+    if _is_packed(tensor):
+        return tensor
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
+def _fresh(tensor: torch.Tensor) -> torch.Tensor:
+    """A packed copy, always: scratch memory the caller's tensor never sees."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+
+
+def _unpack(buffer: torch.Tensor, tensor: torch.Tensor) -> None:
+    if buffer is not tensor:
+        tensor.copy_(buffer)
+
+
+def _reducible(tensor: torch.Tensor, op: str):
+    """(the view our algorithms reduce, the op they apply) for a packed tensor whose op
+    _check_reduction accepted."""
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8), _BOOL_OPS[op]
+    if tensor.is_complex():
+        return torch.view_as_real(tensor), op
+    return tensor, op
+
+
+def _dtype(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).replace("torch.", "")
+
+
+def _check_movable(tensor, what: str) -> None:
+    """A dense CPU tensor of a dtype the backend moves, or a one-line error."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{what}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.layout != torch.strided:
+        raise ValueError(f"{what}: a {tensor.layout} tensor is not supported here")
+    if tensor.dtype not in MOVABLE:
+        raise TypeError(f"{what}: dtype {_dtype(tensor)} is not supported by the collectives "
+                        f"backend (one of {', '.join(str(d).replace('torch.', '') for d in MOVABLE)})")
+
+
+def _check_reduction(tensor, op: str, factor, what: str) -> None:
+    """What gloo refuses, refused alike (or better: premul_sum and avg where ours has
+    them); the error reads as one line."""
+    _check_movable(tensor, what)
+    if factor is not None and not (tensor.is_floating_point() or tensor.is_complex()):
+        raise ValueError(f"{what}: premul_sum multiplies by a float factor; it takes "
+                         f"floating-point or complex tensors, not {_dtype(tensor)}")
+    if tensor.dtype == torch.bool and op not in _BOOL_OPS:
+        raise ValueError(f"{what}: op {op} is not defined for bool tensors")
+    if tensor.is_complex() and op not in _COMPLEX_OPS:
+        raise ValueError(f"{what} does not support op {op} on complex tensors (sum and avg "
+                         "only, as gloo)")
+    if op in api.BITWISE_OPS and tensor.is_floating_point():
+        raise ValueError(f"{what}: cannot use op {op} with non-integral dtype {_dtype(tensor)}")
+
+
+def _check_like(tensor, reference: torch.Tensor, what: str) -> None:
+    """A tensor of the reference's dtype and shape (a list form's each entry)."""
+    _check_movable(tensor, what)
+    if tensor.dtype != reference.dtype:
+        raise ValueError(f"{what}: dtype {_dtype(tensor)} differs from {_dtype(reference)}")
+    if tensor.shape != reference.shape:
+        raise ValueError(f"{what}: invalid tensor size {tuple(tensor.shape)} (expected "
+                         f"{tuple(reference.shape)})")
+
+
+def _check_list(tensors, n: int, what: str) -> None:
+    if not isinstance(tensors, (list, tuple)) or len(tensors) != n:
+        count = len(tensors) if isinstance(tensors, (list, tuple)) else type(tensors).__name__
+        raise ValueError(f"{what}: invalid tensor list (expected {n} tensors, got {count})")
+
+
+def _check_root(root: int, n: int, what: str) -> None:
+    if not 0 <= root < n:
+        raise ValueError(f"{what}: root {root} is not a rank of a group of {n}")
+
+
 def _pieces(tensor: torch.Tensor, splits: List[int], n: int) -> List[torch.Tensor]:
     """A tensor cut along dim 0 into n flat pieces (equal when `splits` is empty)."""
-    rows = tensor.shape[0] if tensor.dim() else 1
+    if tensor.dim() == 0:
+        raise ValueError("all_to_all_single: a 0-dim tensor has no dimension 0 to split")
+    rows = tensor.shape[0]
     if not splits:
         if rows % n:
             raise ValueError(f"all_to_all_single: dim 0 ({rows}) does not divide into "
@@ -152,9 +268,13 @@ class CollectivesBackend(dist._Backend):
 
     # --- reductions ------------------------------------------------------------------------
     def _all_reduce_in_place(self, tensor: torch.Tensor, op: str, factor, algorithm: str):
+        """tensor <- its reduction over the group (checked by _check_reduction)."""
+        buffer = _packed(tensor)
         if factor is not None:
-            tensor.mul_(factor)
-        api.all_reduce(tensor, op, algorithm, self.comm)
+            buffer.mul_(factor)
+        view, op = _reducible(buffer, op)
+        api.all_reduce(view, op, algorithm, self.comm)
+        _unpack(buffer, tensor)
 
     def _sparse_all_reduce(self, tensor: torch.Tensor, factor) -> None:
         """A sparse COO tensor summed over ranks (each share times `factor` for
@@ -191,8 +311,12 @@ class CollectivesBackend(dist._Backend):
             if op != "sum" or not all(t.is_sparse for t in tensors):
                 raise ValueError(f"all_reduce of sparse tensors sums them (as gloo's), all "
                                  f"sparse; op {op!r} on this list is not supported")
+            for tensor in tensors:
+                _check_movable(tensor._values(), "all_reduce")
             return self._submit("all_reduce", lambda: [
                 self._sparse_all_reduce(t, factor) for t in tensors], list(tensors), opts=opts)
+        for tensor in tensors:
+            _check_reduction(tensor, op, factor, "all_reduce")
         algorithm = self.algorithm["all_reduce"]
         return self._submit("all_reduce", lambda: [
             self._all_reduce_in_place(t, op, factor, algorithm) for t in tensors],
@@ -200,71 +324,120 @@ class CollectivesBackend(dist._Backend):
 
     def allreduce_coalesced(self, tensors, opts=None):
         op, factor = reduce_op(op_of(opts))
+        for tensor in tensors:
+            _check_reduction(tensor, op, factor, "all_reduce_coalesced")
+        algorithm = self.algorithm["all_reduce"]
 
         def run():
-            if factor is not None:
+            if all(t.dtype in api.SUPPORTED_DTYPES for t in tensors):
+                if factor is not None:
+                    for tensor in tensors:
+                        tensor.mul_(factor)
+                api.all_reduce_coalesced(tensors, op, algorithm, self.comm)
+            else:  # bool or complex among them: each on its own (the same on every rank)
                 for tensor in tensors:
-                    tensor.mul_(factor)
-            api.all_reduce_coalesced(tensors, op, self.algorithm["all_reduce"], self.comm)
+                    self._all_reduce_in_place(tensor, op, factor, algorithm)
         return self._submit("all_reduce_coalesced", run, list(tensors), opts=opts)
 
     def reduce(self, tensors, opts):
         root = opts.rootRank
         op, factor = reduce_op(opts.reduceOp)
+        _check_root(root, self.comm.world_size, "reduce")
+        for tensor in tensors:
+            _check_reduction(tensor, op, factor, "reduce")
         algorithm = self.algorithm["all_reduce"]
 
         def run():
             for tensor in tensors:
-                target = tensor if self.comm.rank == root else tensor.clone()
+                target = tensor if self.comm.rank == root else _fresh(tensor)
                 self._all_reduce_in_place(target, op, factor, algorithm)
         return self._submit("reduce", run, list(tensors), opts=opts)
 
-    def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, torch_op,
-                            copy: bool = True):
-        op, factor = reduce_op(torch_op)
+    def _reduce_scatter_one(self, output: torch.Tensor, input: torch.Tensor, op: str,
+                            factor, copy: bool = True):
         # torch leaves the input as it was; ours uses it as scratch: work on a copy
-        scratch = input.contiguous().clone() if copy else input
+        scratch = _fresh(input) if copy else input
         if factor is not None:
             scratch.mul_(factor)
-        api.reduce_scatter(output, scratch, op, self.algorithm["reduce_scatter"], self.comm)
+        buffer = _packed(output)
+        into, reduce = _reducible(buffer, op)
+        api.reduce_scatter(into, _reducible(scratch, op)[0], reduce,
+                           self.algorithm["reduce_scatter"], self.comm)
+        _unpack(buffer, output)
+
+    def _check_reduce_scatter(self, output, input, op, factor, what: str) -> None:
+        _check_reduction(output, op, factor, what)
+        _check_reduction(input, op, factor, what)
+        n = self.comm.world_size
+        if input.dtype != output.dtype or input.numel() != n * output.numel():
+            raise ValueError(f"{what}: the input must hold the group's size ({n}) x the "
+                             f"output's elements ({output.numel()}) of its dtype "
+                             f"({_dtype(output)}); got {input.numel()} of {_dtype(input)}")
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
-        op = op_of(opts)
+        op, factor = reduce_op(op_of(opts))
+        _check_list(input_lists, len(outputs), "reduce_scatter")
+        for output, inputs in zip(outputs, input_lists):
+            _check_reduction(output, op, factor, "reduce_scatter")
+            _check_list(inputs, self.comm.world_size, "reduce_scatter: input list")
+            for input in inputs:
+                _check_like(input, output, "reduce_scatter: input")
 
         def run():
             for output, inputs in zip(outputs, input_lists):
                 joined = torch.cat([t.reshape(-1) for t in inputs])  # a copy already
-                self._reduce_scatter_one(output, joined, op, copy=False)
+                self._reduce_scatter_one(output, joined, op, factor, copy=False)
         return self._submit("reduce_scatter", run, list(outputs), opts=opts,
                             inputs=[t for inputs in input_lists for t in inputs])
 
     def reduce_scatter_single(self, output, input, opts=None):
-        op = op_of(opts)
+        op, factor = reduce_op(op_of(opts))
+        self._check_reduce_scatter(output, input, op, factor, "reduce_scatter_tensor")
         return self._submit("reduce_scatter_tensor",
-                            lambda: self._reduce_scatter_one(output, input, op), [output],
-                            opts=opts, inputs=[input])
+                            lambda: self._reduce_scatter_one(output, input, op, factor),
+                            [output], opts=opts, inputs=[input])
 
     _reduce_scatter_base = reduce_scatter_single
 
     def reduce_scatter_single_coalesced(self, outputs, inputs, opts=None):
-        op = op_of(opts)
+        op, factor = reduce_op(op_of(opts))
+        _check_list(inputs, len(outputs), "reduce_scatter_tensor_coalesced")
+        for output, input in zip(outputs, inputs):
+            self._check_reduce_scatter(output, input, op, factor,
+                                       "reduce_scatter_tensor_coalesced")
         return self._submit("reduce_scatter_tensor_coalesced", lambda: [
-            self._reduce_scatter_one(o, i, op) for o, i in zip(outputs, inputs)], list(outputs),
-            opts=opts)
+            self._reduce_scatter_one(o, i, op, factor) for o, i in zip(outputs, inputs)],
+            list(outputs), opts=opts)
 
     # --- data movement ----------------------------------------------------------------------
+    def _broadcast_one(self, tensor: torch.Tensor, root: int) -> None:
+        buffer = _packed(tensor)
+        api.broadcast(_bytes_view(buffer), root, self.algorithm["broadcast"], self.comm)
+        _unpack(buffer, tensor)
+
     def broadcast(self, tensors, opts=None):
         root = opts.rootRank if opts is not None else 0
-        return self._submit("broadcast", lambda: [
-            api.broadcast(_bytes_view(t), root, self.algorithm["broadcast"], self.comm)
-            for t in tensors],
-            list(tensors), opts=opts)
+        _check_root(root, self.comm.world_size, "broadcast")
+        for tensor in tensors:
+            _check_movable(tensor, "broadcast")
+        return self._submit("broadcast", lambda: [self._broadcast_one(t, root)
+                                                  for t in tensors],
+                            list(tensors), opts=opts)
 
     def _all_gather_list(self, outputs, input) -> None:
-        api.all_gather([_bytes_view(t) for t in outputs], _bytes_view(input.contiguous()),
+        api.all_gather([_bytes_view(t) for t in outputs], _bytes_view(_packed(input)),
                        self.algorithm["all_gather"], self.comm)
 
+    def _check_gather_list(self, outputs, input, what: str) -> None:
+        _check_movable(input, what)
+        _check_list(outputs, self.comm.world_size, f"{what}: output list")
+        for output in outputs:
+            _check_like(output, input, f"{what}: output")
+
     def allgather(self, output_lists, input_list, opts=None):
+        _check_list(output_lists, len(input_list), "all_gather")
+        for outputs, input in zip(output_lists, input_list):
+            self._check_gather_list(outputs, input, "all_gather")
         return self._submit("all_gather", lambda: [
             self._all_gather_list(outputs, input)
             for outputs, input in zip(output_lists, input_list)], list(output_lists), opts=opts,
@@ -272,74 +445,134 @@ class CollectivesBackend(dist._Backend):
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         """output_lists[r][i] receives rank r's input_list[i]."""
+        _check_list(output_lists, self.comm.world_size, "all_gather_coalesced")
+        for per_rank in output_lists:
+            _check_list(per_rank, len(input_list), "all_gather_coalesced: output list")
+        for i, input in enumerate(input_list):
+            self._check_gather_list([per_rank[i] for per_rank in output_lists], input,
+                                    "all_gather_coalesced")
         return self._submit("all_gather_coalesced", lambda: [
             self._all_gather_list([per_rank[i] for per_rank in output_lists], input)
             for i, input in enumerate(input_list)], list(output_lists), opts=opts,
             inputs=list(input_list))
 
+    def _check_gather_tensor(self, output, input, what: str) -> None:
+        _check_movable(output, what)
+        _check_movable(input, what)
+        n = self.comm.world_size
+        if output.dtype != input.dtype or output.numel() != n * input.numel():
+            raise ValueError(f"{what}: the output must hold the group's size ({n}) x the "
+                             f"input's elements ({input.numel()}) of its dtype "
+                             f"({_dtype(input)}); got {output.numel()} of {_dtype(output)}")
+
+    def _all_gather_tensor(self, output, input) -> None:
+        buffer = _packed(output)
+        api.all_gather(_bytes_view(buffer), _bytes_view(_packed(input)),
+                       self.algorithm["all_gather"], self.comm)
+        _unpack(buffer, output)
+
     def all_gather_single(self, output, input, opts=None):
-        return self._submit("all_gather_into_tensor", lambda: api.all_gather(
-            _bytes_view(output), _bytes_view(input.contiguous()), self.algorithm["all_gather"],
-            self.comm), [output], opts=opts, inputs=[input])
+        self._check_gather_tensor(output, input, "all_gather_into_tensor")
+        return self._submit("all_gather_into_tensor",
+                            lambda: self._all_gather_tensor(output, input), [output],
+                            opts=opts, inputs=[input])
 
     _allgather_base = all_gather_single
 
     def all_gather_single_coalesced(self, outputs, inputs, opts=None):
+        _check_list(inputs, len(outputs), "all_gather_into_tensor_coalesced")
+        for output, input in zip(outputs, inputs):
+            self._check_gather_tensor(output, input, "all_gather_into_tensor_coalesced")
         return self._submit("all_gather_into_tensor_coalesced", lambda: [
-            api.all_gather(_bytes_view(o), _bytes_view(i.contiguous()),
-                           self.algorithm["all_gather"], self.comm)
-            for o, i in zip(outputs, inputs)], list(outputs), opts=opts, inputs=list(inputs))
+            self._all_gather_tensor(o, i) for o, i in zip(outputs, inputs)], list(outputs),
+            opts=opts, inputs=list(inputs))
 
     def gather(self, output_lists, input_list, opts):
         root, comm = opts.rootRank, self.comm
+        _check_root(root, comm.world_size, "gather")
+        _check_list(input_list, 1, "gather: input list")
+        if comm.rank == root:  # (only the root has outputs: as gloo's, a bad list
+            _check_list(output_lists, 1, "gather: output lists")  # fails there alone)
+            self._check_gather_list(output_lists[0], input_list[0], "gather")
+        else:
+            _check_movable(input_list[0], "gather")
 
         def run():
-            input = _bytes_view(input_list[0].contiguous())
+            input = _bytes_view(_packed(input_list[0]))
             if comm.rank != root:
                 comm.send(input, root)
                 return
             outputs = output_lists[0]
-            if len(outputs) != comm.world_size:
-                raise ValueError(f"gather: the root needs {comm.world_size} output tensors, "
-                                 f"got {len(outputs)}")
-            handles = [comm.irecv(_bytes_view(outputs[peer]), peer)
+            buffers = [_packed(t) for t in outputs]
+            handles = [comm.irecv(_bytes_view(buffers[peer]), peer)
                        for peer in range(comm.world_size) if peer != root]
-            _bytes_view(outputs[root]).copy_(input)
+            _bytes_view(buffers[root]).copy_(input)
             for handle in handles:
                 handle.wait()
+            for buffer, output in zip(buffers, outputs):
+                _unpack(buffer, output)
         return self._submit("gather", run, list(output_lists[0]) if output_lists else [],
                             opts=opts, inputs=list(input_list))
 
     def scatter(self, outputs, input_lists, opts):
         root, comm = opts.rootRank, self.comm
+        _check_root(root, comm.world_size, "scatter")
+        _check_list(outputs, 1, "scatter: output list")
+        _check_movable(outputs[0], "scatter")
+        if comm.rank == root:  # (as gather: the inputs are the root's alone)
+            _check_list(input_lists, 1, "scatter: input lists")
+            _check_list(input_lists[0], comm.world_size, "scatter: input list")
+            for input in input_lists[0]:
+                _check_like(input, outputs[0], "scatter: input")
 
         def run():
+            buffer = _packed(outputs[0])
             if comm.rank != root:
-                comm.recv(_bytes_view(outputs[0]), root)
-                return
-            inputs = [_bytes_view(t.contiguous()) for t in input_lists[0]]
-            if len(inputs) != comm.world_size:
-                raise ValueError(f"scatter: the root needs {comm.world_size} input tensors, "
-                                 f"got {len(inputs)}")
-            handles = [comm.isend(inputs[peer], peer) for peer in range(comm.world_size)
-                       if peer != root]
-            _bytes_view(outputs[0]).copy_(inputs[root])
-            for handle in handles:
-                handle.wait()
+                comm.recv(_bytes_view(buffer), root)
+            else:
+                inputs = [_bytes_view(_packed(t)) for t in input_lists[0]]
+                handles = [comm.isend(inputs[peer], peer) for peer in range(comm.world_size)
+                           if peer != root]
+                _bytes_view(buffer).copy_(inputs[root])
+                for handle in handles:
+                    handle.wait()
+            _unpack(buffer, outputs[0])
         return self._submit("scatter", run, list(outputs), opts=opts)
 
     def alltoall(self, outputs, inputs, opts=None):
-        return self._submit("all_to_all", lambda: api.all_to_all(
-            [_bytes_view(t) for t in outputs], [_bytes_view(t.contiguous()) for t in inputs],
-            self.comm), list(outputs), opts=opts, inputs=list(inputs))
+        n = self.comm.world_size
+        _check_list(outputs, n, "all_to_all: output list")
+        _check_list(inputs, n, "all_to_all: input list")
+        for output, input in zip(outputs, inputs):
+            _check_movable(output, "all_to_all: output")
+            _check_movable(input, "all_to_all: input")
+            if output.dtype != input.dtype:
+                raise ValueError(f"all_to_all: dtypes differ ({_dtype(output)} and "
+                                 f"{_dtype(input)})")
+
+        def run():
+            buffers = [_packed(t) for t in outputs]
+            api.all_to_all([_bytes_view(t) for t in buffers],
+                           [_bytes_view(_packed(t)) for t in inputs], self.comm)
+            for buffer, output in zip(buffers, outputs):
+                _unpack(buffer, output)
+        return self._submit("all_to_all", run, list(outputs), opts=opts, inputs=list(inputs))
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         n = self.comm.world_size
-        outs = _pieces(_bytes_view(output), list(output_splits), n)
-        ins = _pieces(_bytes_view(input.contiguous()), list(input_splits), n)
-        return self._submit("all_to_all_single",
-                            lambda: api.all_to_all(outs, ins, self.comm), [output], opts=opts,
-                            inputs=[input])
+        _check_movable(output, "all_to_all_single")
+        _check_movable(input, "all_to_all_single")
+        if output.dtype != input.dtype:
+            raise ValueError(f"all_to_all_single: dtypes differ ({_dtype(output)} and "
+                             f"{_dtype(input)})")
+        buffer = _packed(output)
+        outs = _pieces(_bytes_view(buffer), list(output_splits), n)
+        ins = _pieces(_bytes_view(_packed(input)), list(input_splits), n)
+
+        def run():
+            api.all_to_all(outs, ins, self.comm)
+            _unpack(buffer, output)
+        return self._submit("all_to_all_single", run, [output], opts=opts, inputs=[input])
 
     alltoall_base = all_to_all_single
 
