@@ -119,3 +119,15 @@ def test_a_zero_bandwidth_is_refused_in_one_line(command):
     out = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "a link's rate must be more than 0" in out.stderr.splitlines()[-1], out.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_horovod_randomized_programs_are_right_everywhere(world_size):
+    """20 seeded programs of the Horovod face (every op, dtype and shape, grouped forms,
+    a process set, joins, named batches in another order on each rank), every result
+    checked on every rank; the long run: `python tests/horovod_random.py --seeds 500`."""
+    import horovod_random
+    calls, wrong = horovod_random.run(world_size, range(20), timeout=100)
+    assert not wrong, "\n".join(wrong[:10])
+    assert calls > 500 * world_size / 2, calls
