@@ -104,12 +104,16 @@ def check_horovod_unnamed_stall_stops_every_rank(comm):
     hvd.barrier()
     if rank == 0:
         engine().inspector.warn_after, engine().inspector.fail_after = 0.3, 1.5
-        stray = _refused(lambda: hvd.allreduce(torch.ones(1)), "shut down",
-                         "allreduce.noname.", "stalled")
-    else:
-        stray = _refused(lambda: hvd.allreduce(torch.ones(1), name="after"), "shut down",
-                         "allreduce.noname.", "stalled")
-    _refused(lambda: hvd.allreduce(torch.ones(1)), "shut down")
+        _refused(lambda: hvd.allreduce(torch.ones(1)), "shut down", "allreduce.noname.",
+                 "stalled")
+    else:  # waiting outside any collective (a call of its own could stall first)
+        deadline = time.monotonic() + 30
+        while engine().stopped is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+    # every later call, named or not, on every rank: the same line
+    stray = _refused(lambda: hvd.allreduce(torch.ones(1), name="after"), "shut down",
+                     "allreduce.noname.", "stalled")
+    _refused(lambda: hvd.allreduce(torch.ones(1)), "shut down", "allreduce.noname.")
     # a new engine on every rank (hvd.shutdown() and hvd.init() would make a new world
     # too): numbering starts afresh, and alike
     forget_engines()
