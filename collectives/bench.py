@@ -118,6 +118,17 @@ class Runner:
             trace.add("blocking call", "wait", started, ended)  # nothing to overlap with
         trace.pause()
 
+    def _finished(self, step):
+        """`step`, ending only when the GPU has done its work (a call on the GPU
+        returns once its work is queued)."""
+        if self.comm.device.type != "cuda":
+            return step
+
+        def finished():
+            step()
+            torch.cuda.synchronize(self.comm.device)
+        return finished
+
     def _time(self, step, label: str = "") -> float:
         """Seconds per call: the median over trials of the slowest rank's mean.
 
@@ -189,7 +200,7 @@ class Runner:
         if op in ("reduce_scatter", "all_gather"):
             count = max(n, count - count % n)
         step, wrong = self._build(op, algorithm, count)
-        seconds = self._time(step, f"{op} {algorithm} {count * element} B")
+        seconds = self._time(self._finished(step), f"{op} {algorithm} {count * element} B")
         return self.measure_row(op, algorithm, count, element, seconds, wrong)
 
     def measure_row(self, op: str, algorithm: str, count: int, element: int,
@@ -211,10 +222,10 @@ class Runner:
     def _build(self, op: str, algorithm: str, count: int):
         """(a zero-argument timed step, #wrong from one checked run)."""
         comm, n, rank, dtype = self.comm, self.comm.world_size, self.comm.rank, self.dtype
-        zeros = torch.zeros(count, dtype=dtype)
+        zeros = torch.zeros(count, dtype=dtype, device=comm.device)
         if op == "all_reduce" and algorithm == "p2p-ring":
             chunk = max(1, count // n)
-            send, receive = zeros[:chunk], torch.empty(chunk, dtype=dtype)
+            send, receive = zeros[:chunk], torch.empty(chunk, dtype=dtype, device=comm.device)
             right, left = (rank + 1) % n, (rank - 1) % n
 
             def step():
@@ -227,31 +238,32 @@ class Runner:
             row = api.call_signature(comm, "all_reduce", zeros, "sum", "ring", -1)
             return (lambda: api.agree_on_call(comm, "all_reduce", row)), 0
         if op == "all_reduce":
-            data = _pattern(rank, count, dtype)
+            data = _pattern(rank, count, dtype).to(self.comm.device)
             api.all_reduce(data, "sum", algorithm, comm, check=False)
             expected = (torch.arange(count) % 7) * n + n * (n - 1) // 2
-            wrong = int((data.double() != expected.double()).sum())
+            wrong = int((data.double().cpu() != expected.double()).sum())
             return (lambda: api.all_reduce(zeros, "sum", algorithm, comm, check=False)), wrong
         if op == "broadcast":
-            data = _pattern(rank, count, dtype)
+            data = _pattern(rank, count, dtype).to(self.comm.device)
             api.broadcast(data, 0, algorithm, comm, check=False)
-            wrong = int((data != _pattern(0, count, dtype)).sum())
+            wrong = int((data.cpu() != _pattern(0, count, dtype)).sum())
             return (lambda: api.broadcast(zeros, 0, algorithm, comm, check=False)), wrong
         if op == "reduce_scatter":
-            out = torch.empty(count // n, dtype=dtype)
-            data = _pattern(rank, count, dtype)
+            out = torch.empty(count // n, dtype=dtype, device=comm.device)
+            data = _pattern(rank, count, dtype).to(self.comm.device)
             api.reduce_scatter(out, data, "sum", algorithm, comm, check=False)
             mine = torch.arange(rank * (count // n), (rank + 1) * (count // n))
             expected = (mine % 7) * n + n * (n - 1) // 2
-            wrong = int((out.double() != expected.double()).sum())
+            wrong = int((out.double().cpu() != expected.double()).sum())
             return (lambda: api.reduce_scatter(out, zeros, "sum", algorithm, comm,
                                                check=False)), wrong
         if op == "all_gather":
-            out = torch.empty(count, dtype=dtype)
+            out = torch.empty(count, dtype=dtype, device=comm.device)
             part = count // n
-            api.all_gather(out, _pattern(rank, part, dtype), algorithm, comm, check=False)
+            api.all_gather(out, _pattern(rank, part, dtype).to(comm.device), algorithm, comm,
+                           check=False)
             expected = torch.cat([_pattern(r, part, dtype) for r in range(n)])
-            wrong = int((out != expected).sum())
+            wrong = int((out.cpu() != expected).sum())
             return (lambda: api.all_gather(out, zeros[:part], algorithm, comm,
                                            check=False)), wrong
         raise ValueError(f"unknown op {op}")
@@ -269,11 +281,11 @@ class Runner:
 
             def reduce(tensor):
                 dist.all_reduce(tensor, group=group)
-        data = _pattern(rank, count, dtype)
+        data = _pattern(rank, count, dtype).to(self.comm.device)
         reduce(data)
         expected = (torch.arange(count) % 7) * n + n * (n - 1) // 2
-        wrong = int((data.double() != expected.double()).sum())
-        zeros = torch.zeros(count, dtype=dtype)
+        wrong = int((data.double().cpu() != expected.double()).sum())
+        zeros = torch.zeros(count, dtype=dtype, device=self.comm.device)
         return (lambda: reduce(zeros)), wrong
 
 

@@ -130,15 +130,25 @@ class CommWorker:
     communicators at exit: see launch/exit.py.
     """
 
-    def __init__(self):
+    def __init__(self, device: Optional[torch.device] = None):
         self.jobs: "queue.Queue" = queue.Queue()
         self.error: Optional[BaseException] = None
         self.busy_seconds = 0.0  # time spent communicating, for reports
+        # The GPU this thread works on, for NCCL and CUDA's memory (a new thread starts on
+        # GPU 0): `device`'s (the communicator's), else the creating thread's current one.
+        if device is not None and device.type == "cuda":
+            self.gpu = device
+        elif torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.gpu = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.gpu = None
         self.thread = threading.Thread(target=self._run, name="collectives-comm", daemon=True)
         self.thread.start()
         stop_at_exit(self)
 
     def _run(self) -> None:
+        if self.gpu is not None:  # a new thread starts on GPU 0: take the creator's
+            torch.cuda.set_device(self.gpu)
         while True:
             job, done, name, args, ready_ns = self.jobs.get()
             if job is None:
@@ -245,7 +255,7 @@ class Bucketer:
         # arrival of a step (fewer: at finish(), with what it accumulated).
         self.passes_per_sync = passes_per_sync
         self._arrivals = {id(p): 0 for b in self.buckets for p in b.params}
-        self.worker = CommWorker()
+        self.worker = CommWorker(comm.device)
         self.synced_steps = 0  # steps whose reduction completed
         self._ready_ns: Dict[int, int] = {}  # id(param) -> when it went in its bucket
         self._reduce_seconds = [0.0] * len(self.buckets)

@@ -1,6 +1,7 @@
 """CUDA tensors through every collective and through our DDP (run under torchrun).
 
     torchrun --nproc-per-node 1 tests/checks_gpu.py nccl   # NCCL, one GPU, world size 1
+    torchrun --nproc-per-node 1 tests/checks_gpu.py nccl-mixed   # "cpu:gloo,cuda:nccl"
     torchrun --nproc-per-node 2 tests/checks_gpu.py gloo   # CUDA tensors staged by gloo
     mpirun -np 2 python tests/checks_gpu.py mpi            # ... and by mpi4py
 
@@ -109,14 +110,40 @@ def check_model_averaging(comm, device, hasher):
         hasher.update(parameters.cpu().numpy().tobytes())
 
 
+def check_what_nccl_lacks(comm, device):
+    """The calls NCCL has no kernel for, on real NCCL: int16 (reduced in int32), bool,
+    band/bor/bxor (bit by bit), complex sums; CPU tensors on gloo beside it; the
+    barrier and a duplicate. At world size 1 every reduction must give its input back
+    exactly, which checks the bits' unpacking and packing too."""
+    generator = torch.Generator().manual_seed(7)
+    values = torch.randint(-2**15, 2**15, (33,), generator=generator)
+    cases = [(values.to(torch.int16), op) for op in ("sum", "max", "band", "bor", "bxor")]
+    cases += [(values.to(torch.int32), op) for op in ("band", "bor", "bxor", "avg")]
+    cases += [(values.to(torch.uint8), "bxor"), (values > 0, "sum"), (values > 0, "band"),
+              (torch.randn(5, dtype=torch.complex64, generator=generator), "sum")]
+    for tensor, op in cases:
+        for on in (device, torch.device("cpu")):
+            moved = tensor.to(on)
+            comm.native_all_reduce(moved, op)
+            assert moved.device == on and torch.equal(moved.cpu(), tensor), (tensor.dtype, op, on)
+    comm.barrier()
+    twin = comm.duplicate()
+    twin.barrier()
+    ones = torch.ones(4, device=device)
+    twin.native_all_reduce(ones, "sum")
+    assert torch.equal(ones.cpu(), torch.ones(4))
+
+
 def main(backend):
     torch.set_num_threads(1)
     torch.backends.cudnn.deterministic = True  # so the two DDPs compute the same gradients
-    if backend == "nccl":  # init() needs no process group at world size 1: adopt one
+    if backend.startswith("nccl"):  # init() needs no group at world size 1: adopt one
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-        dist.init_process_group("nccl")
+        dist.init_process_group("nccl" if backend == "nccl" else "cpu:gloo,cuda:nccl")
         comm = adopt_torch_group(timeout=120)
         assert comm.device_tensors_ok, "nccl moves CUDA tensors itself"
+        assert (comm.cpu_group is None) == (backend == "nccl-mixed"), "gloo beside NCCL"
+        check_what_nccl_lacks(comm, torch.device("cuda", torch.cuda.current_device()))
     else:
         comm = collectives.init(backend=backend, timeout=120, device="cuda")
     device = torch.device("cuda", torch.cuda.current_device())
@@ -128,7 +155,7 @@ def main(backend):
     if comm.world_size > 1:
         check_model_averaging(comm, device, hasher)
     print(f"ok {comm.rank} {hasher.hexdigest()[:12]}", flush=True)
-    if backend == "nccl":
+    if backend.startswith("nccl"):
         comm.close()
         dist.destroy_process_group()
     else:

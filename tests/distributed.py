@@ -41,7 +41,8 @@ def _rank_main(payload, rank, world_size, port, backend, init_timeout, results, 
         torch.set_num_threads(1)
         import collectives
         function, args = pickle.loads(payload)
-        comm = collectives.init(backend=backend, timeout=init_timeout, shm=shm)
+        comm = (None if backend is None else  # None: the function joins by itself
+                collectives.init(backend=backend, timeout=init_timeout, shm=shm))
         value = function(comm, *args)
         results.put((rank, "ok", value))
         collectives.destroy()
@@ -62,7 +63,7 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
     """Run function(comm, *args) on `world_size` ranks; return the per-rank results.
 
     shm: passed to collectives.init ("on", "off"; None: the default, shared memory
-    when possible).
+    when possible). backend None: no init, the function gets None and joins itself.
 
     Ranks listed in `may_die` are not waited for: they may die, hang or report (their
     slot is None unless they reported before the others finished).

@@ -37,8 +37,29 @@ def torchrun(nproc, *args):
 
 
 @pytest.mark.timeout(300)
-def test_nccl_world_of_one():
-    assert len(run_ranks(torchrun(1, "tests/checks_gpu.py", "nccl"))) == 1
+@pytest.mark.parametrize("group", ["nccl", "nccl-mixed"])
+def test_nccl_world_of_one(group):
+    assert len(run_ranks(torchrun(1, "tests/checks_gpu.py", group))) == 1
+
+
+@pytest.mark.timeout(300)
+def test_the_main_job_shares_one_gpu_through_gloo():
+    """More ranks than GPUs: auto takes gloo for the whole job (NCCL wants a GPU per
+    rank), says so once, and the ranks train on the GPU they share."""
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("needs fewer GPUs than ranks")
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        env.pop(name, None)
+    result = subprocess.run(torchrun(2, "-m", "trainer", "--epochs", "1", "--train-samples",
+                                     "256", "--test-samples", "64", "--progress", "lines"),
+                            cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr.count("backend auto: gloo") == 1, result.stderr
+    assert "has 2 ranks and 1 GPU" in result.stderr
+    first = next(line for line in result.stdout.splitlines() if line.startswith("training"))
+    assert "backend gloo" in first and "on cuda:0 (1 GPU shared by 2 ranks here" in first
 
 
 @pytest.mark.timeout(300)

@@ -108,6 +108,8 @@ def _time_once(comm, step) -> tuple:
     comm.barrier()
     started, cpu, own = time.perf_counter(), time.process_time(), time.thread_time()
     step()
+    if comm.device.type == "cuda":  # the GPU's queue of work is part of the step
+        torch.cuda.synchronize(comm.device)
     own = time.thread_time() - own  # read inside the process's window: never above it
     cpu = time.process_time() - cpu
     return time.perf_counter() - started, cpu, cpu - own
@@ -130,7 +132,7 @@ class Variant:
         sync_name, options = split_entry(entry)
         self.trace_left = args.trace_steps if args.trace else 0  # steps still to trace
         torch.manual_seed(0)
-        self.model = build_model(args.model, 1, 10, 28)
+        self.model = build_model(args.model, 1, 10, 28).to(comm.device)
         if torch_peers.is_peer(sync_name):
             self.strategy = torch_peers.create(sync_name, **options)
             self.wrapped = self.strategy.wrap(self.model, bucket_cap_mb=args.bucket_mb,
@@ -147,8 +149,8 @@ class Variant:
                 self.model, sync=self.strategy, comm=comm, **sizes)
             self.buckets = "-"
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
-        self.images = torch.randn(args.batch_size, 1, 28, 28)
-        self.labels = torch.randint(0, 10, (args.batch_size,))
+        self.images = torch.randn(args.batch_size, 1, 28, 28).to(comm.device)
+        self.labels = torch.randint(0, 10, (args.batch_size,)).to(comm.device)
         self.clock = WaitClock(self.model)
         self.sent = SentBytes(comm, self.strategy)
         self.period = self.strategy.period
@@ -284,12 +286,13 @@ def rotated(variants, number: int) -> list:
 
 
 def rank_main(args):
-    comm = collectives.init(backend="gloo")
+    comm = collectives.init(backend="gloo", device=args.device)
     if args.trace:  # collective: measures each rank's clock offset to rank 0
         trace.start(comm, args.trace, level=args.trace_level, recording=False)
     rows = []
     if comm.rank == 0:
-        print(f"# trainer.bench: {args.model}, {comm.world_size} ranks, batch {args.batch_size} "
+        print(f"# trainer.bench: {args.model} on {comm.device} (communication on gloo), "
+              f"{comm.world_size} ranks, batch {args.batch_size} "
               f"per rank, {args.rounds} rounds of {args.steps} timed steps each (whole "
               "periods for periodic strategies), alternating")
         print(f"{'sync':>13} {'img/s':>7} {'step ms':>8} {'compute ms':>10} {'waited ms':>9} "
@@ -343,6 +346,10 @@ def main(argv=None):
                         f"({', '.join(torch_peers.NAMES)}), each with its options after "
                         "colons (local-sgd:period=4); default allreduce,ddp")
     p.add_argument("--model", default="resnet18", choices=ARCHITECTURES)
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where each rank trains (default cpu); cuda: the ranks share the "
+                        "GPUs there are, and communication (gloo, ours and torch's DDP "
+                        "alike) goes through host memory")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank (default 32)")
     p.add_argument("--steps", type=int, default=3,
                    help="timed steps per sync in each round (default 3)")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..transport import Transport
+from ..transport.base import reduce_into
 from .common import chunk_bounds
 from .costs import Constants, Shape
 
@@ -73,11 +74,15 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
             keep, give = (lo, mid), (mid, hi)
         keep_elems = slice(bounds[keep[0]], bounds[keep[1]])
         give_elems = slice(bounds[give[0]], bounds[give[1]])
-        receiving = comm.irecv_reduce(flat[keep_elems], partner, op,
-                                      scratch[:keep_elems.stop - keep_elems.start])
-        sending = comm.isend(flat[give_elems], partner)
-        receiving.wait()
-        sending.wait()
+        incoming = scratch[:keep_elems.stop - keep_elems.start]
+        if comm.step_by_step:  # one exchange, then the reduction (ring.py, "Step by step")
+            comm.exchange([(flat[give_elems], partner)], [(incoming, partner)])
+            reduce_into(flat[keep_elems], incoming, op)
+        else:
+            receiving = comm.irecv_reduce(flat[keep_elems], partner, op, incoming)
+            sending = comm.isend(flat[give_elems], partner)
+            receiving.wait()
+            sending.wait()
         exchanges.append((partner, keep_elems, give_elems))
         lo, hi = keep
         distance //= 2

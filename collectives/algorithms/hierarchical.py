@@ -87,7 +87,10 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str) -> None:
         return ring.all_reduce(comm, flat, op)  # one level: the ring visits hosts in order
     host = Group(comm, topology.local_ranks(comm.rank))
     chunks = min(MAX_CHUNKS, flat.numel() * flat.element_size() // PIPELINE_CHUNK_BYTES)
-    if chunks <= 1:
+    # NCCL (step_by_step): the phases one after another on this thread. A second thread's
+    # NCCL calls would wait on this one's through the GPU's stream they share, and with
+    # peers that post the two threads' steps in another order, wait forever.
+    if chunks <= 1 or comm.step_by_step:
         _inside_host(host, flat, op)
         _across_hosts(comm, flat, op)
         _gather_inside_host(host, flat)
@@ -168,6 +171,7 @@ def _pipelined(comm: Transport, host: Group, chunks: List[torch.Tensor], op: str
 
     def network_thread() -> None:
         try:
+            network.enter_thread()
             for chunk, ready, done in zip(chunks, inside_done, across_done):
                 ready.wait()
                 if failures:

@@ -29,12 +29,10 @@ def all_to_all(comm: Transport, outputs: List[torch.Tensor],
     outputs[me].copy_(inputs[me])
     for step in range(1, n):
         dst, src = (me + step) % n, (me - step) % n
-        # The receive is posted first; an empty piece is not sent (both sides know it).
-        receive = comm.irecv(outputs[src], src) if outputs[src].numel() else None
-        send = comm.isend(inputs[dst], dst) if inputs[dst].numel() else None
-        for handle in (receive, send):
-            if handle is not None:
-                handle.wait()
+        # One exchange a step (on NCCL one group); an empty piece is not sent (both
+        # sides know it).
+        comm.exchange([(inputs[dst], dst)] if inputs[dst].numel() else [],
+                      [(outputs[src], src)] if outputs[src].numel() else [])
 
 
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:

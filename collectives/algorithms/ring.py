@@ -48,6 +48,12 @@ step 0's receives, because those pass their sums on to the same rank, and sends 
 rank arrive in the order they were posted (relays included): posted first, a relay's
 sum would overtake the chunk the right neighbour expects first.
 
+Step by step (NCCL, `comm.step_by_step`): NCCL runs a rank's postings one after
+another, so nothing may be posted ahead of its step. There each step is one
+`exchange` (this step's send and receive, one NCCL group), and the received chunk is
+reduced after it: the textbook ring, without segments (NCCL pipelines a message
+itself).
+
 Every chunk's final value is computed on one rank and copied to the rest, so all ranks
 end bitwise identical.
 """
@@ -58,7 +64,7 @@ from typing import Callable, List, Optional
 import torch
 
 from ..transport import Transport
-from ..transport.base import Handle
+from ..transport.base import Handle, reduce_into
 from .. import trace
 from ..transport.group import Group
 from .common import chunk_bounds, segments
@@ -91,6 +97,12 @@ def reduce_scatter(comm: Transport, flat: torch.Tensor, op: str,
     if n == 1:
         return []
     bounds = bounds or chunk_bounds(flat.numel(), n)
+    if comm.step_by_step:  # nothing may be posted ahead there: no post_next
+        if post_next is not None:
+            raise ValueError("reduce_scatter: post_next posts ahead, which a step-by-step "
+                             "transport (NCCL) cannot take")
+        _reduce_scatter_by_steps(comm, flat, op, bounds)
+        return []
     send_to, recv_from = (rank + 1) % n, (rank - 1) % n
     seg = _segment_elems(comm, flat, segment_bytes)
 
@@ -154,6 +166,11 @@ def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] 
     if n == 1:
         return
     bounds = bounds or chunk_bounds(flat.numel(), n)
+    if comm.step_by_step:
+        if first_receives is not None:
+            raise ValueError("all_gather: receives posted ahead cannot be taken on a "
+                             "step-by-step transport (NCCL)")
+        return _all_gather_by_steps(comm, flat, bounds)
     send_to, recv_from = (rank + 1) % n, (rank - 1) % n
     seg = _segment_elems(comm, flat, segment_bytes)
 
@@ -179,6 +196,44 @@ def all_gather(comm: Transport, flat: torch.Tensor, bounds: Optional[List[int]] 
         receives = next_receives
     for send in sends:
         send.wait()
+
+
+def _ring_step(comm: Transport, flat: torch.Tensor, bounds: List[int], send_chunk: int,
+               incoming: torch.Tensor, recv_chunk: int) -> torch.Tensor:
+    """One step by itself: chunk `send_chunk` of `flat` to the right, chunk `recv_chunk`
+    from the left into `incoming` (its first elements), as one exchange. An empty
+    chunk is not sent: both sides know its size. Returns what was received."""
+    n = comm.world_size
+    outgoing = flat[bounds[send_chunk]:bounds[send_chunk + 1]]
+    incoming = incoming[:bounds[recv_chunk + 1] - bounds[recv_chunk]]
+    comm.exchange([(outgoing, (comm.rank + 1) % n)] if outgoing.numel() else [],
+                  [(incoming, (comm.rank - 1) % n)] if incoming.numel() else [])
+    return incoming
+
+
+def _reduce_scatter_by_steps(comm: Transport, flat: torch.Tensor, op: str,
+                             bounds: List[int]) -> None:
+    """reduce_scatter one exchange a step (see "Step by step"): at step s rank r sends
+    chunk r-s-1 (its own, then the sum it reduced last step) and reduces chunk r-s-2."""
+    n, rank = comm.world_size, comm.rank
+    largest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    scratch = comm.workspace("ring scratch 0", flat, largest)
+    for step in range(n - 1):
+        chunk = (rank - step - 2) % n
+        with trace.span(f"ring reduce-scatter step {step}", cat="comm.step", level=2):
+            incoming = _ring_step(comm, flat, bounds, (rank - step - 1) % n, scratch, chunk)
+            reduce_into(flat[bounds[chunk]:bounds[chunk + 1]], incoming, op)
+
+
+def _all_gather_by_steps(comm: Transport, flat: torch.Tensor, bounds: List[int]) -> None:
+    """all_gather one exchange a step: at step s rank r passes chunk r-s on and
+    receives chunk r-s-1 in place."""
+    n, rank = comm.world_size, comm.rank
+    for step in range(n - 1):
+        chunk = (rank - step - 1) % n
+        with trace.span(f"ring all-gather step {step}", cat="comm.step", level=2):
+            _ring_step(comm, flat, bounds, (rank - step) % n,
+                       flat[bounds[chunk]:bounds[chunk + 1]], chunk)
 
 
 def _gathered_pieces(n: int, rank: int, step: int, bounds: List[int], seg: int):
@@ -211,6 +266,10 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
     if order != list(range(comm.world_size)):
         comm = Group(comm, order)
     bounds = chunk_bounds(flat.numel(), comm.world_size)
+    if comm.step_by_step:  # nothing posted ahead (see "Step by step")
+        reduce_scatter(comm, flat, op, bounds)
+        all_gather(comm, flat, bounds)
+        return
     first_receives = reduce_scatter(
         comm, flat, op, bounds, segment_bytes,
         post_next=lambda: all_gather_receives(comm, flat, bounds, segment_bytes))

@@ -267,6 +267,7 @@ class Engine:
     # --- the engine thread --------------------------------------------------------------
     def _loop(self) -> None:
         idle_cycles = 0
+        self.comm.enter_thread()  # the rank's GPU, for the collectives run here
         try:
             while True:
                 self._wakeup.clear()

@@ -52,11 +52,12 @@ class AsyncAverage(SyncStrategy):
     def setup(self, model, comm) -> None:
         super().setup(model, comm)
         self.channel = comm.duplicate()  # the training thread keeps using comm
-        self.worker = CommWorker()
+        self.worker = CommWorker(comm.device)
 
     def _start_round(self, model, still_training: bool) -> None:
         self.snapshot = torch.cat([t.reshape(-1) for t in averaged_tensors(model)])
-        flag = torch.tensor([1.0 if still_training else 0.0], dtype=self.snapshot.dtype)
+        flag = torch.tensor([1.0 if still_training else 0.0], dtype=self.snapshot.dtype,
+                            device=self.snapshot.device)
         payload = torch.cat([self.snapshot, flag])
         done = self.worker.submit(lambda: api.all_reduce(
             payload, op="sum", algorithm=self.algorithm, comm=self.channel, check=False),

@@ -126,7 +126,7 @@ class DiLoCo(SyncStrategy):
         self.outer = [torch.optim.SGD(synced, **self.outer_options) for synced in self.synced]
         if self.delay:
             self.channel = comm.duplicate()  # the training thread keeps using comm
-            self.worker = CommWorker()
+            self.worker = CommWorker(comm.device)
 
     def fragment_at(self, step: int) -> int:
         """The fragment whose synchronization completes at the next multiple of `every`

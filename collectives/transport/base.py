@@ -7,13 +7,16 @@ underneath (gloo, nccl, mpi, or a world of one); nothing above it does. Algorith
     comm.send(t, dst)            comm.recv(t, src)            blocking point-to-point
     comm.isend(t, dst) -> h      comm.irecv(t, src) -> h      h.wait() completes it
     comm.sendrecv(send_t, dst, recv_t, src)                   one step of a ring
+    comm.exchange(sends, receives)   one step: [(t, dst)...] and [(t, src)...] together
     comm.irecv_reduce(acc, src, op) -> h    receive and fold in: acc <- acc (op) message
                                             (forward_to=dst: and send the sum on)
     comm.barrier()
     comm.native_all_reduce(t, op)  comm.native_broadcast(t, src)   the backend's own
 
 Messages between one pair of ranks arrive in the order they were sent (every backend
-here guarantees it), so algorithms need no tags. The same ordering means two threads
+here guarantees it), so algorithms need no tags. On NCCL (`step_by_step`) a rank's
+postings also run one after another, each to its end: an algorithm there posts each
+step's sends and receives together with `exchange()` and posts nothing ahead. The same ordering means two threads
 must not run send/recv-based collectives on one communicator at the same time (one
 could take the other's messages): a second thread uses its own, `comm.duplicate()`.
 The backends' native collectives never match point-to-point messages.
@@ -26,7 +29,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -220,6 +223,11 @@ class Transport:
     # Whether they take CPU tensors. NCCL moves GPU memory only: the small CPU tensors
     # of argument checks and flags are then staged through this rank's GPU.
     cpu_tensors_ok: bool = True
+    # Whether point-to-point must go one step at a time (NCCL): every posting of a rank
+    # runs after the one before it has ended, so a receive posted ahead of a step blocks
+    # all that is posted after it, the sends its sender waits for included. Algorithms
+    # then post each step's sends and receives together (`exchange`) and nothing ahead.
+    step_by_step: bool = False
     # Whether the backend's own collectives (native_all_reduce, native_broadcast,
     # barrier) exist here. Some ranks of a communicator (group.py) have none.
     native_collectives: bool = True
@@ -244,30 +252,41 @@ class Transport:
     # --- point to point: subclasses implement _isend/_irecv ---------------------------
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
         """Start sending `tensor` to rank `dst`; the tensor must not change until wait()."""
-        self._check_peer(tensor, dst, "isend")
-        self.traffic.count_send(tensor)
-        stage = self.staging_device(tensor)
-        if stage is not None:
-            staged = tensor.to(stage)
-            return KeepAliveHandle(self._isend(staged, dst), staged)
-        return self._isend(tensor, dst)
+        moved = self._outgoing(tensor, dst, "isend")
+        handle = self._isend(moved, dst)
+        return handle if moved is tensor else KeepAliveHandle(handle, moved)
 
     def irecv(self, tensor: torch.Tensor, src: int) -> Handle:
         """Start receiving into `tensor` from rank `src`; read it only after wait()."""
-        self._check_peer(tensor, src, "irecv")
+        buffer = self._incoming(tensor, src, "irecv")
+        handle = self._irecv(buffer, src)
+        return handle if buffer is tensor else StagedRecvHandle(handle, buffer, tensor)
+
+    def _outgoing(self, tensor: torch.Tensor, dst: int, what: str) -> torch.Tensor:
+        """A send checked and counted: the tensor the backend moves (a staged copy
+        where it cannot move `tensor` itself)."""
+        self._check_peer(tensor, dst, what)
+        self.traffic.count_send(tensor)
+        stage = self.staging_device(tensor)
+        return tensor if stage is None else tensor.to(stage)
+
+    def _incoming(self, tensor: torch.Tensor, src: int, what: str) -> torch.Tensor:
+        """A receive checked and counted: the buffer the backend writes (a staging
+        buffer, to be copied into `tensor`, where it cannot write `tensor` itself)."""
+        self._check_peer(tensor, src, what)
         self.traffic.count_receive(tensor)
         stage = self.staging_device(tensor)
-        if stage is not None:
-            staged = torch.empty_like(tensor, device=stage)
-            return StagedRecvHandle(self._irecv(staged, src), staged, tensor)
-        return self._irecv(tensor, src)
+        return tensor if stage is None else torch.empty_like(tensor, device=stage)
 
     def staging_device(self, tensor: torch.Tensor) -> Optional[torch.device]:
         """Where a copy of `tensor` must go for this transport to move it; None: it
-        moves as it is (see device_tensors_ok and cpu_tensors_ok)."""
+        moves as it is (see device_tensors_ok and cpu_tensors_ok). A device tensor on
+        another device than this rank's (another GPU) goes through this rank's."""
         if tensor.device.type == "cpu":
             return None if self.cpu_tensors_ok else self.device
-        return None if self.device_tensors_ok else torch.device("cpu")
+        if not self.device_tensors_ok:
+            return torch.device("cpu")
+        return None if tensor.device == self.device else self.device
 
     def irecv_reduce(self, accumulator: torch.Tensor, src: int, op: str,
                      scratch: Optional[torch.Tensor] = None,
@@ -306,10 +325,20 @@ class Transport:
         Both are posted before either is waited on, so a ring where every rank calls
         sendrecv(to the right, from the left) cannot deadlock.
         """
-        receiving = self.irecv(recv_tensor, src)
-        sending = self.isend(send_tensor, dst)
-        receiving.wait()
-        sending.wait()
+        self.exchange([(send_tensor, dst)], [(recv_tensor, src)])
+
+    def exchange(self, sends: Sequence[Tuple[torch.Tensor, int]],
+                 receives: Sequence[Tuple[torch.Tensor, int]]) -> None:
+        """One step of an algorithm: send each (tensor, dst) and receive into each
+        (tensor, src), all posted before any is waited on; returns when all are done.
+
+        Here the receives are posted first, then the sends. On NCCL (step_by_step) they
+        go as one group (torch_dist.py), as NCCL asks of a step's sends and receives.
+        """
+        handles = ([self.irecv(tensor, src) for tensor, src in receives]
+                   + [self.isend(tensor, dst) for tensor, dst in sends])
+        for handle in handles:
+            handle.wait()
 
     def workspace(self, name: str, like: torch.Tensor, numel: int) -> torch.Tensor:
         """A buffer of `numel` elements of `like`'s dtype and device, for an algorithm's
@@ -367,6 +396,18 @@ class Transport:
             self.traffic.count_native(0, nbytes(tensor))
         self._staged(tensor, lambda moved: self._native_broadcast(moved, src))
 
+    def reduce_metadata(self, tensor: torch.Tensor, op: str = "sum") -> None:
+        """The backend's own all-reduce of a small CPU tensor of bookkeeping (a table
+        of hosts, a vote), in place and not counted as traffic. It goes wherever this
+        transport moves CPU tensors: gloo beside NCCL, or staged through the GPU where
+        the group has only NCCL."""
+        self._staged(tensor, lambda moved: self._native_all_reduce(moved, op))
+
+    def broadcast_metadata(self, tensor: torch.Tensor, src: int = 0) -> None:
+        """The backend's own broadcast of a small CPU tensor of bookkeeping, like
+        reduce_metadata."""
+        self._staged(tensor, lambda moved: self._native_broadcast(moved, src))
+
     def _staged(self, tensor: torch.Tensor, run) -> None:
         """run(tensor) in place, on a staging copy where the backend cannot move it."""
         stage = self.staging_device(tensor)
@@ -382,6 +423,14 @@ class Transport:
 
     def _native_broadcast(self, tensor: torch.Tensor, src: int) -> None:
         raise NotImplementedError
+
+    def enter_thread(self) -> None:
+        """Called first by each thread of ours that communicates on this transport (the
+        hierarchy's network thread, the Horovod engine; the bucketer's CommWorker is
+        given the device): a new thread starts on GPU 0, and NCCL and CUDA's memory go by
+        the thread's current GPU."""
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
 
     def duplicate(self) -> "Transport":
         """A second communicator over the same ranks whose messages never mix with ours.

@@ -36,6 +36,7 @@ class Group(Transport):
         self.traffic = parent.traffic
         self.backend = parent.backend
         self.segment_bytes = parent.segment_bytes
+        self.step_by_step = parent.step_by_step
 
     @property
     def name(self) -> str:
@@ -59,3 +60,8 @@ class Group(Transport):
                      forward_to: Optional[int] = None) -> Handle:
         forward = None if forward_to is None else self.members[forward_to]
         return self.parent.irecv_reduce(accumulator, self.members[src], op, scratch, forward)
+
+    def exchange(self, sends, receives) -> None:
+        # one step of the parent's, so that NCCL posts it as one group
+        self.parent.exchange([(tensor, self.members[dst]) for tensor, dst in sends],
+                             [(tensor, self.members[src]) for tensor, src in receives])

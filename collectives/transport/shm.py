@@ -414,7 +414,7 @@ class ShmTransport(Transport):
         """
         def first_failing(ok: bool) -> Optional[int]:  # the lowest rank where `ok` is False
             vote = torch.tensor([inner.world_size if ok else inner.rank])
-            inner._native_all_reduce(vote, "min")
+            inner.reduce_metadata(vote, "min")
             return None if vote.item() == inner.world_size else int(vote.item())
 
         def everyone(flag: bool) -> bool:  # True when it holds on every rank
@@ -430,7 +430,7 @@ class ShmTransport(Transport):
         if topology.one_rank_per_host or not everyone(_libc is not None):
             return inner  # nothing to share, or no POSIX semaphores somewhere
         token = torch.tensor([secrets.randbits(48)])
-        inner._native_broadcast(token, 0)
+        inner.broadcast_metadata(token, 0)
         me = inner.rank
         local = topology.local_ranks(me)
         paths = {rank: f"/dev/shm/collectives-{token.item():x}-{rank}" for rank in local}

@@ -12,23 +12,12 @@ crosses each host's link in each direction.
 """
 from __future__ import annotations
 
-import hashlib
-import socket
 from dataclasses import dataclass
 from typing import List, Sequence, Tuple
 
 import torch
 
-
-def host_fingerprint() -> int:
-    """A number equal on every rank of this host (same name, same boot)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as boot:
-            boot_id = boot.read().strip()
-    except OSError:
-        boot_id = ""
-    digest = hashlib.sha256(f"{socket.gethostname()}/{boot_id}".encode()).digest()
-    return int.from_bytes(digest[:7], "little")  # fits an int64
+from ..launch.census import host_fingerprint
 
 
 @dataclass(frozen=True)
@@ -49,7 +38,7 @@ class Topology:
         """Collective: every rank learns every rank's host (one native all-reduce)."""
         table = torch.zeros(comm.world_size, dtype=torch.int64)
         table[comm.rank] = host_fingerprint()
-        comm._native_all_reduce(table, "sum")  # each rank fills its slot: an all-gather
+        comm.reduce_metadata(table, "sum")  # each rank fills its slot: an all-gather
         return cls.from_fingerprints(table.tolist())
 
     @property

@@ -175,7 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="collective algorithm for each gradient bucket (default: ring, "
                            "built from send/recv here; native is the backend's own)")
     comm.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"],
-                      help="auto: nccl with a GPU, else gloo (default: auto)")
+                      help="auto: nccl where every host has a GPU for each of its ranks, "
+                           "else gloo (default: auto)")
+    comm.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                      help="where each rank trains. auto: a GPU where there is one (ranks "
+                           "share it when there are fewer GPUs than ranks; communication "
+                           "then goes through host memory), else the CPU (default: auto)")
     comm.add_argument("--shm", default=None, choices=["auto", "on", "off"],
                       help="point-to-point through shared memory between ranks of one host "
                            "(gloo, mpi; default: $COLLECTIVES_SHM, else auto = when possible)")

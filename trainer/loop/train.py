@@ -100,8 +100,8 @@ def train(argv=None) -> None:
                 f"of --epochs {args.epochs}: nothing left to train")
     else:
         run.say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with "
-                f"{comm.world_size} rank(s), backend {comm.name}, sync {args.sync}, "
-                f"algorithm {args.algorithm}, shards {args.shards}")
+                f"{comm.world_size} rank(s), backend {comm.name}, {where_it_trains(comm)}, "
+                f"sync {args.sync}, algorithm {args.algorithm}, shards {args.shards}")
         if run.strategy.replicas_differ:
             run.say(f"{args.sync} lets the ranks' models differ: each epoch evaluates (and "
                     "checkpoints) their average")
@@ -202,10 +202,25 @@ def read_checkpoint(path: str, eval_only: bool, elastic: bool = False) -> dict:
     return saved
 
 
+def where_it_trains(comm) -> str:
+    """The device in words, for the first line: "on the CPU", or which GPU, how many of
+    this host's ranks share it, and how communication reaches it."""
+    if comm.device.type != "cuda":
+        return f"on the {comm.device.type.upper()}"
+    ranks_here = len(comm.topology.local_ranks(comm.rank))
+    gpus = torch.cuda.device_count()
+    if comm.backend == "nccl":
+        return f"on {comm.device} (a GPU per rank, NCCL between them)"
+    shared = (f"{gpus} GPU{'s' if gpus != 1 else ''} shared by {ranks_here} ranks here"
+              if ranks_here > gpus else "a GPU per rank")
+    return f"on {comm.device} ({shared}, communication through host memory)"
+
+
 def connect(args: argparse.Namespace):
     """This rank's communicator, from whatever launcher started it (or none)."""
     try:
-        return collectives.init(backend=args.backend, timeout=args.timeout, shm=args.shm)
+        return collectives.init(backend=args.backend, timeout=args.timeout, shm=args.shm,
+                                device=args.device)
     except collectives.LaunchError as error:
         fail(str(error))
 
@@ -219,6 +234,9 @@ def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
         trace.start(comm, args.trace, level=args.trace_level, recording=False)
     model = build_model(args.arch, split.channels, split.num_classes, split.image_size)
     model = model.to(comm.device)
+    if args.sync == "ddp-collectives" and comm.device.type != "cpu":
+        fail("--sync ddp-collectives runs torch's DDP on the torch.distributed backend "
+             "\"collectives\", which takes CPU tensors: use --device cpu")
     strategy = create_sync(args)
     torch_peer = torch_peers.is_peer(args.sync)
     ddp = wrap_model(args, model, strategy, comm, torch_peer)
