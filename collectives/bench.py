@@ -50,7 +50,8 @@ from typing import Dict, List
 
 import torch
 
-from . import algorithms, api, cluster, trace
+from . import algorithms, api, trace
+from .launch import links
 from .launch import add_local_rank_argument
 
 BUS_FACTOR = {  # busbw / algbw, as nccl-tests
@@ -138,10 +139,10 @@ class Runner:
         step()  # warm up: first-touch allocations, connections
         if self.trace_calls:
             self._trace(step, label)
-        nic_before = cluster.link_bytes()
+        nic_before = links.link_bytes()
         seconds, iters = self._trials([step])
         if nic_before is not None:  # barriers and the timing all-reduces: a few hundred bytes
-            sent = cluster.link_bytes()["sent"] - nic_before["sent"]
+            sent = links.link_bytes()["sent"] - nic_before["sent"]
             self.nic_bytes_per_call = self._slowest(sent / (iters * self.trials))
         return seconds[0]
 
@@ -214,7 +215,7 @@ class Runner:
                    time_us=seconds * 1e6, algbw_gbps=algbw,
                    busbw_gbps=algbw * BUS_FACTOR.get(op, lambda n: 2 * (n - 1) / n)(n),
                    wrong=wrong)
-        link = cluster.link_rate_bytes()
+        link = links.link_rate_bytes()
         if link is not None:
             row.update(link_gbps=link / 1e9, nic_mb_per_call=self.nic_bytes_per_call / 1e6)
         return row
@@ -316,10 +317,10 @@ def links_text(slowest: float) -> str:
     """The emulated cluster's links, for the header: one rate when they are alike;
     where hosts differ (--link), the slowest and every host's, the link column being
     the slowest link's."""
-    if not cluster.links_differ():
+    if not links.links_differ():
         return f"links of {slowest * 8 / 1e6:g} Mbit/s each way"
     hosts = ", ".join(f"node{host} {'unshaped' if rate is None else f'{rate * 8 / 1e6:g}'}"
-                      for host, rate in enumerate(cluster.link_rates_bytes()))
+                      for host, rate in enumerate(links.link_rates_bytes()))
     return (f"links differ, slowest link {slowest * 8 / 1e6:g} Mbit/s each way "
             f"(Mbit/s: {hosts}); the link column is the slowest")
 
@@ -345,7 +346,7 @@ def run_benchmark(comm, args) -> List[Dict]:
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"# collectives.bench: {comm.name}, {comm.world_size} ranks, "
         f"dtype {args.dtype}, ring segment {comm.segment_bytes // 1024} KiB")
-    link = cluster.link_rate_bytes()
+    link = links.link_rate_bytes()
     if link is not None:
         say(f"# emulated cluster: {links_text(link)}; nic = MB the busiest host's NIC sent "
             "per call")

@@ -44,7 +44,7 @@ from .api import broadcast_coalesced, gather_rows
 from .world import adopt_torch_group, get_comm
 from .bucket_sizes import choose as choose_bucket_sizes
 from .bucketer import Bucketer
-from .cluster import emulated
+from .launch.links import emulated
 from .sync import SyncStrategy, create
 from .transport import Transport
 

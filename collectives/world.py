@@ -30,10 +30,10 @@ from typing import Optional, Tuple, Union
 
 import torch
 
-from .cluster import link_rate_bytes
 from .launch.census import Census, gpu_count, gpu_ids
 from .launch.environment import LaunchError, LaunchInfo, detect_launch
 from .launch.exit import close_at_exit, install_exit_hooks
+from .launch.links import link_rate_bytes
 from .launch.mpi import mpi_world
 from .launch.rendezvous import check_mpi_agrees, rendezvous_address
 from .transport.base import PeerError, Transport

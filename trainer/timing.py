@@ -27,7 +27,8 @@ from typing import Optional
 import torch
 
 import collectives
-from collectives import cluster, trace
+from collectives import trace
+from collectives.launch import links
 from .torch_peers import TorchPeer
 
 _TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in struct tcp_info
@@ -132,7 +133,7 @@ class SentBytes:
         self.ranks_on_host = collectives.detect_launch().local_world_size or 1
 
     def read(self) -> float:
-        nic = cluster.link_bytes()
+        nic = links.link_bytes()
         if nic is not None:
             return nic["sent"] / self.ranks_on_host
         if not isinstance(self.strategy, TorchPeer):

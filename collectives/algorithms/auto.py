@@ -114,7 +114,7 @@ def job_constants(path: str, shape: Shape, emulated_rate: float = 0.0):
     """The constants at `path`, for this job's machines: the emulated cluster's links
     (`emulated_rate` bytes/s each way, with tbf's bucket) or real ones (no bucket); ranks
     that share one machine (one host, or the emulated cluster) share its cores."""
-    from ..cluster import bucket_bytes
+    from ..launch.links import bucket_bytes
     from .costs import load_constants
     try:
         c = load_constants(path)
@@ -146,7 +146,7 @@ def all_reduce_choice(nbytes: int, world_size: int, transport: str,
         return "native"  # NCCL's own ladder, across hosts too (see the notes above)
     if not measured(world_size, topology):
         shape = shape_of(world_size, topology)
-        from ..cluster import link_rate_bytes  # the emulated cluster's links, if we run there
+        from ..launch.links import link_rate_bytes  # the emulated cluster's links, if there
         return model_choice(nbytes, shape.hosts, shape.ranks_per_host, model_constants_path(),
                             link_rate_bytes() or 0.0)
     if topology is not None and not topology.single_host:

@@ -17,62 +17,17 @@ over TCP as on real machines, and shared memory joins only ranks of one host.
     rsh.py       the ssh stand-in mpiexec uses to reach a host
     __main__.py  the command line
 
-Inside a rank, `link_bytes()` reads what its host's NIC has really sent and received.
-This package is about launching and networks; it knows nothing of the algorithms.
+Inside a rank, what it knows of its link (`link_bytes()`: what its host's NIC has
+really sent and received; the link's rate) comes from the variables the cluster sets,
+read by collectives/launch/links.py. This package is about launching and networks; it
+knows nothing of the algorithms.
 """
 from __future__ import annotations
 
-import os
-from typing import Dict, List, Optional
+from ..launch.links import (bucket_bytes, emulated, link_bytes, link_rate_bytes,
+                            link_rates_bytes, links_differ)
+from .network import ClusterError, ClusterSpec, Network, rate_bits, remove_leftovers
 
-from .network import (ClusterError, ClusterSpec, Network, bucket_bytes, rate_bits,
-                      remove_leftovers)
-
-
-def emulated() -> bool:
-    """Whether this rank runs on the emulated cluster, where every host is this one
-    machine (its cores shared by all of them)."""
-    return bool(os.environ.get("COLLECTIVES_CLUSTER_IFACE"))
-
-
-def link_bytes() -> Optional[Dict[str, int]]:
-    """{"sent", "received"}: bytes through this host's NIC so far (frames as the kernel
-    counts them: payload plus Ethernet, IP and TCP headers). None off the cluster."""
-    iface = os.environ.get("COLLECTIVES_CLUSTER_IFACE")
-    if not iface:
-        return None
-    folder = f"/sys/class/net/{iface}/statistics"
-    try:
-        with open(f"{folder}/tx_bytes") as sent, open(f"{folder}/rx_bytes") as received:
-            return {"sent": int(sent.read()), "received": int(received.read())}
-    except OSError:
-        return None
-
-
-def link_rate_bytes() -> Optional[float]:
-    """Bytes per second each link carries each way, when this rank runs on a shaped
-    emulated cluster; None elsewhere. Where the hosts' links differ (`links_differ`),
-    the slowest shaped link's."""
-    bits = os.environ.get("COLLECTIVES_CLUSTER_RATE")
-    return int(bits) / 8 if bits else None
-
-
-def link_rates_bytes() -> Optional[List[Optional[float]]]:
-    """Every host's link rate in bytes per second each way, in host order (None: that
-    host's link is unshaped), when this rank runs on a shaped emulated cluster; None
-    elsewhere."""
-    listed = os.environ.get("COLLECTIVES_CLUSTER_LINKS")
-    if not listed:
-        return None
-    return [int(bits) / 8 or None for bits in listed.split(",")]
-
-
-def links_differ() -> bool:
-    """Whether the emulated cluster's hosts have links of different rates (--link), or
-    some shaped and some not: then link_rate_bytes() is only the slowest one's."""
-    rates = link_rates_bytes()
-    return rates is not None and len(set(rates)) > 1
-
-
-__all__ = ["ClusterError", "bucket_bytes", "ClusterSpec", "Network", "link_bytes", "link_rate_bytes",
-           "link_rates_bytes", "links_differ", "rate_bits", "remove_leftovers"]
+__all__ = ["ClusterError", "bucket_bytes", "ClusterSpec", "emulated", "Network", "link_bytes",
+           "link_rate_bytes", "link_rates_bytes", "links_differ", "rate_bits",
+           "remove_leftovers"]

@@ -49,6 +49,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Dict, List, Mapping, NamedTuple, Optional, Sequence
 
+from ..launch.links import bucket_bytes
 from . import cgroups
 
 STATE_ROOT = "/run/collectives-cluster"
@@ -58,11 +59,6 @@ STORE_PORT = 29400
 SERVICE_GRACE_SECONDS = 0.5  # an --on-switch command that ends sooner failed to start
 STORE_START_SECONDS = 60.0  # for the store's first line (python and torch imported)
 IFACE = "eth0"             # each host's NIC
-# TCP hands a veth segments of up to 64 KiB and lets the NIC cut them into frames (TSO/GSO).
-# tbf cuts, in software, every packet larger than its bucket: with a smaller bucket the
-# kernel would cut each segment on the cores the ranks compute on (measured: 13x the CPU
-# time for a 16 MiB all-reduce on 4 hosts at 100 Mbit/s). A real NIC does that in hardware.
-TSO_BURST = 128 << 10
 # Every command the cluster runs, and the Debian package that has it.
 TOOLS = {"ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux",
          "unshare": "util-linux", "umount": "mount", "hostname": "hostname",
@@ -70,13 +66,6 @@ TOOLS = {"ip": "iproute2", "tc": "iproute2", "nsenter": "util-linux",
 KILL_ROUNDS = 20           # passes of "kill every process on the hosts" until none is left
 LATEST_PAUSE_END = 1e6     # seconds after the start by which every pause has ended (11 days)
 _RUN_NAME = re.compile(r"^cc[0-9a-f]{6}$")
-
-
-def bucket_bytes(bytes_per_second: int) -> int:
-    """tbf's bucket on a link of this rate: at least a TSO segment's worth, and a few
-    ms of traffic. An idle link passes this many bytes at once before its rate applies
-    (the cost model counts it: collectives/algorithms/costs.py)."""
-    return max(TSO_BURST, int(bytes_per_second) // 250)
 
 
 class ClusterError(RuntimeError):

@@ -41,7 +41,7 @@ def on_cluster(constants: Constants, bandwidth: float = 0.0, latency: float = 0.
     collectives.cluster makes them on this machine (each link's tbf bucket, every
     rank sharing this machine's cores), to compare with runs there."""
     import os
-    from ..cluster import bucket_bytes
+    from ..launch.links import bucket_bytes
     rate = bandwidth or constants.link_rate
     if not emulated:
         return constants.for_job(bandwidth, latency)

@@ -19,7 +19,7 @@ from typing import List
 
 from . import calibrate as calibration
 from . import load, on_cluster
-from .. import cluster
+from ..launch import links
 from ..algorithms import COSTS
 from ..algorithms.costs import Shape
 from ..bench import parse_size, parse_sizes
@@ -92,7 +92,7 @@ def run_calibrate(p, args) -> int:
         p.error(str(error))
     if info.world_size == 1 and (args.nproc or 1) == 1:
         p.error("calibrate needs 2 ranks or more: --nproc N, or start it under a launcher")
-    if cluster.links_differ():  # the model has one link rate: a fit would mix them up
+    if links.links_differ():  # the model has one link rate: a fit would mix them up
         if info.rank != 0:
             sys.exit(2)  # rank 0 says why, once
         p.error("calibrate fits one link rate, and this emulated cluster's links differ "
@@ -170,7 +170,7 @@ def run_check(p, args) -> int:
     errs, compared = [], []
     for point, rate in points:
         # rows from the emulated cluster: its links' rate, and their tbf bucket
-        c = constants.with_link(rate, burst=cluster.bucket_bytes(rate)) if rate else constants
+        c = constants.with_link(rate, burst=links.bucket_bytes(rate)) if rate else constants
         model = calibration.predict_point(point, c)
         err = (model - point.seconds) / point.seconds
         errs.append(err)

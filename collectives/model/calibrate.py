@@ -36,7 +36,8 @@ from typing import Callable, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .. import algorithms, api, cluster
+from .. import algorithms, api
+from ..launch import links
 from ..algorithms.costs import Constants, Route, Shape
 from ..transport.group import Group
 from . import save
@@ -243,11 +244,11 @@ def calibrate(comm, sizes=SIZES, trials: int = 3, seconds_per_row: float = 0.5,
               say=print) -> Tuple[Constants, List[Point], List[str]]:
     """Collective: sweep on every rank; every rank gets the same fit back."""
     points = sweep(comm, sizes, trials, seconds_per_row, say)
-    rate = cluster.link_rate_bytes() or 0.0
+    rate = links.link_rate_bytes() or 0.0
     # Ranks that share one machine share its cores: one host, or the emulated cluster
     # (its hosts are namespaces of this machine). On real hosts each rank has its own.
     shared = rate or len(comm.topology.hosts) == 1
-    start = replace(START, link_rate=rate, burst=cluster.bucket_bytes(rate) if rate else 0.0,
+    start = replace(START, link_rate=rate, burst=links.bucket_bytes(rate) if rate else 0.0,
                     transport=comm.name, cores=(os.cpu_count() or 1) if shared else 0)
     constants, measured = fit(points, start)
     return constants, points, measured
@@ -282,7 +283,7 @@ def refit(path: str, out: str) -> None:
     was = saved["constants"]
     rate = was.get("link_rate", 0.0)
     start = replace(START, link_rate=rate, transport=was.get("transport", ""),
-                    burst=was.get("burst", cluster.bucket_bytes(rate) if rate else 0.0),
+                    burst=was.get("burst", links.bucket_bytes(rate) if rate else 0.0),
                     cores=was.get("cores", (os.cpu_count() or 1)
                                   if rate or all(p.hosts == 1 for p in points) else 0))
     constants, measured = fit(points, start)
