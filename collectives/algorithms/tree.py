@@ -141,12 +141,6 @@ def broadcast_cost(nbytes: float, shape: Shape, c: Constants, algorithm: str = "
                c.link_bound(shape.link_bytes(_down_bytes(nbytes, shape))))
 
 
-def reduce_cost(nbytes: float, shape: Shape, c: Constants) -> float:
-    """ceil(log2 n) (alpha + K beta + K gamma), to rank 0"""
-    up = [(pairs, nbytes) for pairs in _levels(shape.world_size)]
-    return max(_reduce_time(nbytes, shape, c), c.link_bound(shape.link_bytes(up)))
-
-
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     """All-reduce: 2 ceil(log2 n) (alpha + K beta) + ceil(log2 n) K gamma"""
     up = [(pairs, nbytes) for pairs in _levels(shape.world_size)]

@@ -43,9 +43,3 @@ def format_rate(bytes_per_second: float) -> str:
             return f"{bits / RATE_UNITS[unit]:g}{unit}"
     return f"{bits:g}bit"
 
-
-def format_seconds(seconds: float) -> str:
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("us", 1e-6)):
-        if seconds >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
