@@ -248,7 +248,7 @@ WITHOUT_NATIVE = {"all_reduce": "tree", "broadcast": "tree", "reduce_scatter": "
 def _auto(collective: str, nbytes: int, comm: Transport) -> str:
     """auto's choice for `collective` of `nbytes` on `comm` (algorithms/auto.py)."""
     chosen = algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
-                                                comm.topology)
+                                                comm.topology, table=comm.tuning)
     if chosen == "native" and not comm.native_collectives:
         return WITHOUT_NATIVE[collective]
     return chosen

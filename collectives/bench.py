@@ -350,11 +350,11 @@ def run_benchmark(comm, args) -> List[Dict]:
     if link is not None:
         say(f"# emulated cluster: {links_text(link)}; nic = MB the busiest host's NIC sent "
             "per call")
-    if ("auto" in args.algorithms and "all_reduce" in args.ops and comm.backend != "nccl"
-            and not algorithms.auto.measured(comm.world_size, comm.topology)):
-        say(f"# auto: {comm.world_size} ranks on {len(comm.topology.hosts)} host(s) is beyond "
-            "what its rules were measured on: it takes what the cost model says is quickest "
-            f"(constants: {algorithms.auto.model_constants_path()})")
+    if "auto" in args.algorithms and "all_reduce" in args.ops and comm.backend != "nccl":
+        source = comm.tuning_source
+        if comm.tuning is None:
+            source += f"; constants: {algorithms.auto.model_constants_path()}"
+        say(f"# auto follows {source}")
     say(header(link is not None))
     for op in args.ops:
         wanted = [a for a in args.algorithms if a in algorithms.names(op) or
@@ -377,11 +377,34 @@ def run_benchmark(comm, args) -> List[Dict]:
         row.update(bytes=0, count=0, algbw_gbps=0.0, busbw_gbps=0.0)
         rows.append(row)
         say(format_row(row), flush=True)
+    for line in auto_against_the_quickest(comm, rows):
+        say(line)
     bad = sum(row["wrong"] for row in rows)
     say(f"# out of bounds values: {bad} {'OK' if bad == 0 else 'FAILED'}")
     if args.trace:
         say(f"# trace: {trace.finish(comm)} (`python -m collectives.trace {args.trace}`)")
     return rows
+
+
+def auto_against_the_quickest(comm, rows: List[Dict]) -> List[str]:
+    """Per all-reduce size that has an `auto` row: what auto chose, and how its time
+    compares with the quickest fixed algorithm measured at that size."""
+    fixed = set(algorithms.ALL_REDUCE)
+    lines = []
+    for auto_row in (r for r in rows if r["op"] == "all_reduce" and r["algorithm"] == "auto"):
+        peers = [r for r in rows if r["op"] == "all_reduce" and r["bytes"] == auto_row["bytes"]
+                 and r["algorithm"] in fixed]
+        if not peers:
+            continue
+        quickest = min(peers, key=lambda r: r["time_us"])
+        chosen = api._auto("all_reduce", auto_row["bytes"], comm)
+        auto_row.update(auto_chose=chosen, quickest=quickest["algorithm"],
+                        auto_over_quickest=auto_row["time_us"] / quickest["time_us"])
+        lines.append(f"# auto at {auto_row['bytes']:>10} B: {chosen:>16} "
+                     f"{auto_row['time_us']:>11.1f} us; quickest {quickest['algorithm']:>16} "
+                     f"{quickest['time_us']:>11.1f} us; auto / quickest "
+                     f"{auto_row['auto_over_quickest']:.2f}")
+    return lines
 
 
 def plot(rows: List[Dict], path: str) -> None:
@@ -493,6 +516,13 @@ def main(argv=None) -> int:
     p = parser()
     args = p.parse_args(argv)
     validate(p, args)
+    return run_ranks(p, args, argv, "collectives.bench", rank_main)
+
+
+def run_ranks(p: argparse.ArgumentParser, args, argv, module: str, rank_main) -> int:
+    """rank_main(args) on every rank: under the launcher that started us, or on
+    --nproc ranks started here (by the mpirun that matches mpi4py for --backend mpi,
+    which runs `python -m module` again)."""
     from .launch import LaunchError, detect_launch
     try:
         info = detect_launch()
@@ -508,8 +538,7 @@ def main(argv=None) -> int:
             argv = list(sys.argv[1:] if argv is None else argv)
             cut = argv.index("--nproc")
             rest = argv[:cut] + argv[cut + 2:]
-            command, env = mpirun_command(args.nproc, [sys.executable, "-m", "collectives.bench",
-                                                       *rest])
+            command, env = mpirun_command(args.nproc, [sys.executable, "-m", module, *rest])
             os.execvpe(command[0], command, env)
         from .launch.spawn import spawn
         spawn(rank_main, args.nproc, args)

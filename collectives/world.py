@@ -30,6 +30,7 @@ from typing import Optional, Tuple, Union
 
 import torch
 
+from .algorithms import tuning
 from .launch.census import Census, gpu_count, gpu_ids
 from .launch.environment import LaunchError, LaunchInfo, detect_launch
 from .launch.exit import close_at_exit, install_exit_hooks
@@ -180,6 +181,9 @@ def with_routes(comm: Transport, shm: Union[None, bool, str] = None) -> Transpor
         raise LaunchError(f"COLLECTIVES_SHM / init(shm=...): {error}") from None
     comm.topology = Topology.exchange(comm)  # which ranks share a host
     comm = _with_shared_memory(comm, shm_wanted)
+    if comm.backend != "nccl":  # auto's rules, measured here (algorithms/tuning.py)
+        key = tuning.key_for(comm.name, comm.world_size, comm.topology)
+        comm.tuning, comm.tuning_source = tuning.agree(comm, *tuning.find(key))
     rate = link_rate_bytes()  # the emulated cluster's links, where it shaped them
     if rate and len(comm.topology.hosts) > 1:
         comm.segment_bytes = comm.segment_for_link(rate)

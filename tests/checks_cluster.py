@@ -77,7 +77,7 @@ def loop_case(comm, outdir):
     calls = 0
     try:
         while time.monotonic() - started < 120:
-            collectives.all_reduce(tensor, comm=comm)  # auto: hierarchical on 2 x 2
+            collectives.all_reduce(tensor, comm=comm)  # auto: the cost model's pick
             tensor.fill_(1)
             calls += 1
             if calls == 3:  # tell the test this rank is in its loop
@@ -92,7 +92,7 @@ def ddp_case(comm):
     """ResNet-18 (BatchNorm) and the MLP with unused branches train as with torch DDP."""
     from checks_ddp import compare_with_torch_ddp
     digests = [compare_with_torch_ddp(comm, "resnet18", algorithm="hierarchical"),
-               compare_with_torch_ddp(comm, "mlp", "by-rank")]  # auto: hierarchical too
+               compare_with_torch_ddp(comm, "mlp", "by-rank")]  # auto's pick too
     return {"digest": str(digests)}
 
 

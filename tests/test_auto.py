@@ -1,12 +1,18 @@
-"""`auto`'s choices, as plain function calls: no ranks, no network.
+"""`auto`'s choices: NCCL's own, a tuning table's, and how init finds and agrees on one.
 
-The choice is a pure function of (bytes, world size, transport name, topology), so a
+The choice is a function of (bytes, world size, transport name, topology, table), so a
 topology of several hosts can be written down instead of built.
 """
+import os
+import subprocess
+import sys
+
 import pytest
 
-from collectives.algorithms import auto
+import collectives
+from collectives.algorithms import auto, tuning
 from collectives.transport.topology import Topology
+from distributed import run_world
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [1, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
@@ -29,11 +35,80 @@ def test_nccl_across_hosts_keeps_nccls_own_all_reduce(placement):
     assert set(chosen.values()) == {"native"}, chosen
 
 
-@pytest.mark.parametrize("transport", ["gloo", "gloo+shm", "mpi", "mpi+shm"])
-def test_other_backends_across_hosts_still_take_the_hierarchy(transport):
-    """The measured choices off nccl stay: the tree below 64 KiB, the hierarchy above
-    with several ranks on a host, the ring with one (docs/cluster.md)."""
-    assert auto.all_reduce_choice(4 * KiB, 4, transport, TWO_HOSTS["2 hosts of 2 ranks"]) == "tree"
-    assert auto.all_reduce_choice(16 * MiB, 4, transport,
-                                  TWO_HOSTS["2 hosts of 2 ranks"]) == "hierarchical"
-    assert auto.all_reduce_choice(16 * MiB, 2, transport, TWO_HOSTS["2 hosts of 1 rank"]) == "ring"
+# --- tuning tables (collectives/algorithms/tuning.py) ---------------------------------------
+
+def a_key(**changes):
+    key = {"transport": "gloo+shm", "world_size": 4, "hosts": 1, "ranks_per_host": 4,
+           "cores": os.cpu_count(), "link_bits": 0}
+    return {**key, **changes}
+
+
+def test_rules_switch_halfway_between_rungs_whose_winners_differ():
+    sizes = [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB]
+    times = {"naive": [10, 50, 900, 9000], "tree": [20, 40, 500, 8000],
+             "ring": [90, 80, 600, 5000]}
+    rules = tuning.rules_from_times(sizes, times)
+    assert rules == [(16 * KiB, "naive"), (4 * MiB, "tree"), (None, "ring")]
+    table = tuning.Table(a_key(), tuple(rules))
+    assert [table.choose(n) for n in (1, 16 * KiB - 1, 16 * KiB, 4 * MiB, 1 << 30)] == [
+        "naive", "naive", "tree", "ring", "ring"]
+    assert tuning.rules_from_times(sizes[:1], {"tree": [1], "ring": [2]}) == [(None, "tree")]
+
+
+def test_auto_follows_a_table_and_says_where_its_choice_comes_from(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("COLLECTIVES_TUNING", raising=False)
+    key = a_key()
+    table, source = tuning.find(key)
+    assert table is None and "no table: python -m collectives.tune" in source
+    path = os.path.join(tuning.cache_folder(), tuning.file_name(key))
+    tuning.write(key, [4 * KiB, 16 * MiB], {"naive": [1, 9], "ring": [5, 2]}, path)
+    table, source = tuning.find(key)
+    assert source == f"the table {path}"
+    for nbytes, expected in ((4 * KiB, "naive"), (16 * MiB, "ring")):
+        assert auto.all_reduce_choice(nbytes, 4, "gloo+shm", None, table=table) == expected
+    # a table for another machine is not used, and the source says why
+    monkeypatch.setenv("COLLECTIVES_TUNING", path)
+    table, source = tuning.find(a_key(cores=os.cpu_count() + 1))
+    assert table is None and "is for another world: cores" in source
+    with open(path, "w") as broken:
+        broken.write("{")
+    table, source = tuning.find(key)
+    assert table is None and "unreadable" in source
+
+
+def found_and_chosen(comm):
+    return comm.tuning_source, collectives.api._auto("all_reduce", 16 * MiB, comm)
+
+
+def different_tables(comm):
+    table = tuning.Table(a_key(world_size=2), ((None, "ring" if comm.rank else "tree"),))
+    return tuning.agree(comm, table, "the table here")[0] is None
+
+
+@pytest.mark.timeout(180)
+def test_init_finds_the_table_and_the_ranks_agree_on_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("COLLECTIVES_TUNING", raising=False)
+    key = a_key(world_size=2, ranks_per_host=2)
+    path = os.path.join(tuning.cache_folder(), tuning.file_name(key))
+    tuning.write(key, [4 * KiB], {"naive": [1], "ring": [5]}, path)
+    assert run_world(found_and_chosen, 2, shm="on") == [(f"the table {path}", "naive")] * 2
+    # ranks holding different tables follow none: the cost model, alike everywhere
+    assert run_world(different_tables, 2) == [True, True]
+
+
+@pytest.mark.timeout(240)
+def test_tune_writes_a_table_init_then_follows(tmp_path):
+    out = tmp_path / "table.json"
+    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-m", "collectives.tune", "--nproc", "2",
+                             "--sizes", "4K,64K", "--seconds-per-row", "0.05", "--trials", "1",
+                             "--out", str(out)], capture_output=True, text=True, env=env,
+                            timeout=200)
+    assert result.returncode == 0, result.stderr
+    table = tuning.Table.load(str(out))
+    assert table.key == tuning.key_for("gloo+shm", 2, None) | {"ranks_per_host": 2}
+    assert table.rules[-1][0] is None and "# rules:" in result.stdout

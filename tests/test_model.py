@@ -172,17 +172,17 @@ def test_one_host_leaves_the_network_unmeasured():
 
 # ---- auto beyond what was measured -------------------------------------------------------
 
-def test_auto_asks_the_model_beyond_what_was_measured(tmp_path, monkeypatch):
+def test_auto_without_a_table_asks_the_model(tmp_path, monkeypatch):
     path = tmp_path / "constants.json"
     path.write_text(json.dumps({"constants": C.as_dict()}))
     monkeypatch.setenv("COLLECTIVES_MODEL", str(path))
-    hosts = Topology(tuple(rank // 8 for rank in range(64)))  # 8 hosts of 8
-    assert not auto.measured(64, hosts)
-    expected = fastest("all_reduce", 64 << 20, Shape(8, 8), C)
-    assert auto.all_reduce_choice(64 << 20, 64, "gloo", hosts) == expected
-    # inside what was measured, the measured rules stand
-    assert auto.measured(4, Topology((0, 0, 1, 1)))
-    assert auto.all_reduce_choice(64 << 20, 4, "gloo", Topology((0, 0, 1, 1))) == "hierarchical"
+    for world, hosts in ((64, Topology(tuple(rank // 8 for rank in range(64)))),  # 8 of 8
+                         (4, Topology((0, 0, 1, 1))), (4, None)):
+        shape = auto.shape_of(world, hosts)
+        for nbytes in (4 << 10, 1 << 20, 64 << 20):
+            expected = fastest("all_reduce", nbytes, shape,
+                               auto.job_constants(str(path), shape))
+            assert auto.all_reduce_choice(nbytes, world, "gloo", hosts) == expected
 
 
 def test_the_shipped_constants_load_and_answer():
@@ -327,7 +327,7 @@ def test_calibrate_and_check_refuse_bad_input(tmp_path, capsys, monkeypatch):
         capsys, "check", "--constants", str(tmp_path / "none.json"), str(constants))
 
 
-def test_auto_beyond_what_was_measured_reads_its_constants_for_this_jobs_machines(
+def test_auto_without_a_table_reads_its_constants_for_this_jobs_machines(
         tmp_path, monkeypatch):
     monkeypatch.setenv("COLLECTIVES_MODEL", str(tmp_path / "missing.json"))
     with pytest.raises(ValueError, match="cannot read the cost model's constants"):

@@ -14,7 +14,8 @@ import time
 
 import pytest
 
-from collectives.cluster import ClusterSpec, Network
+from collectives.algorithms import auto
+from collectives.cluster import ClusterSpec, Network, rate_bits
 from collectives.cluster.job import _cluster_env
 from collectives.cluster.slurm import PROGRAMS, Slurm
 from collectives.cluster.network import STATE_ROOT, TOOLS
@@ -51,7 +52,8 @@ def on_login_node(slurm, *command, env=None, timeout=TIMEOUT, **kwargs):
 def assert_placed_by_slurm(results, tasks_per_node):
     """Ranks in order on the nodes Slurm chose, each node's tasks together, every
     algorithm's answer the same on every rank, and auto's pick for a large all-reduce
-    on several hosts of several ranks: hierarchical."""
+    the cost model's (no tuning table there): on several hosts of several ranks,
+    hierarchical."""
     for rank, result in enumerate(results):
         node = rank // tasks_per_node
         assert result["hostname"] == f"node{node}" and result["node_id"] == node, result
@@ -59,7 +61,12 @@ def assert_placed_by_slurm(results, tasks_per_node):
         assert result["launch"]["local_world_size"] == tasks_per_node, result
         assert result["ranks_on_host"] == tasks_per_node, result
         assert result["digest"] == results[0]["digest"], f"rank {rank} differs"
-        assert result["auto_16M"] == ("hierarchical" if tasks_per_node > 1 else "ring")
+        assert result["auto_16M"] == results[0]["auto_16M"], f"rank {rank} chose otherwise"
+    hosts = len(results) // tasks_per_node  # no tuning table: the cost model's quickest
+    assert results[0]["auto_16M"] == auto.model_choice(
+        16 << 20, hosts, tasks_per_node, auto.model_constants_path(), rate_bits(FAST) / 8)
+    if tasks_per_node > 1:
+        assert results[0]["auto_16M"] == "hierarchical"
     assert results[0]["checks"] > 20
 
 

@@ -97,8 +97,7 @@ import sys
 from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Tuple
 
-from collectives.algorithms import COSTS, auto, fastest
-from collectives.transport.topology import Topology
+from collectives.algorithms import COSTS, fastest
 from collectives.algorithms.costs import Constants, Shape
 from collectives.model import load, on_cluster
 from collectives.model.units import parse_latency, parse_rate
@@ -317,12 +316,8 @@ NOT_MODELLED = {
 
 
 def auto_choice(nbytes: float, shape: Shape, c: Constants) -> str:
-    """What our `auto` picks for this call: its measured rules where they were measured
-    (collectives/algorithms/auto.py), the model's fastest beyond them."""
-    topology = Topology(tuple(rank // shape.ranks_per_host for rank in range(shape.world_size)))
-    if auto.measured(shape.world_size, topology):
-        return auto.all_reduce_choice(int(nbytes), shape.world_size,
-                                      c.transport or "gloo+shm", topology)
+    """What our `auto` picks for this call on a cluster we do not have (no tuning table
+    was measured there): the model's fastest (collectives/algorithms/auto.py)."""
     return fastest("all_reduce", nbytes, shape, c)
 
 

@@ -235,6 +235,10 @@ class Transport:
     # across ranks (api.py): messages of it may be left, and a transport that checks
     # it (shm.py) refuses everything after.
     out_of_step: Optional[str] = None
+    # auto's tuning table for this world (algorithms/tuning.py), which every rank agreed
+    # on at init, and where auto's choice comes from, in words; None: the cost model.
+    tuning = None
+    tuning_source: str = "the cost model"
 
     def __init__(self, rank: int, world_size: int, local_rank: int,
                  device: torch.device, timeout: timedelta):
@@ -443,6 +447,7 @@ class Transport:
         twin = self._duplicate()
         twin.traffic = self.traffic
         twin.topology = self.topology
+        twin.tuning, twin.tuning_source = self.tuning, self.tuning_source
         return twin
 
     def _duplicate(self) -> "Transport":
