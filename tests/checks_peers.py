@@ -1,6 +1,6 @@
 """Per-rank checks: torch's peers (trainer/torch_peers.py) beside our strategies.
 
-Run on spawned gloo ranks by test_study.py. Where the math is the same, ours and
+Run on spawned gloo ranks by test_compare.py. Where the math is the same, ours and
 torch's must end with the same parameters, and be measured alike (trainer/timing.py,
 trainer/bench.py).
 """
