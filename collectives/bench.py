@@ -431,17 +431,23 @@ def plot(rows: List[Dict], path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def add_launch_arguments(p: argparse.ArgumentParser, backends: List[str]) -> None:
+    """--nproc, --backend and --shm: where the ranks come from and how they talk
+    (run_ranks reads them)."""
+    p.add_argument("--nproc", type=int, default=None,
+                   help="spawn this many ranks here (not needed under mpirun/torchrun)")
+    p.add_argument("--backend", default="auto", choices=backends)
+    p.add_argument("--shm", default=None, choices=["auto", "on", "off"],
+                   help="point-to-point through shared memory between ranks of this host "
+                        "(default: $COLLECTIVES_SHM, else auto = when possible)")
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m collectives.bench",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--nproc", type=int, default=None,
-                   help="spawn this many ranks here (not needed under mpirun/torchrun)")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl", "mpi"])
-    p.add_argument("--shm", default=None, choices=["auto", "on", "off"],
-                   help="point-to-point through shared memory between ranks of this host "
-                        "(default: $COLLECTIVES_SHM, else auto = when possible)")
+    add_launch_arguments(p, ["auto", "gloo", "nccl", "mpi"])
     p.add_argument("--sizes", type=parse_sizes, default=parse_sizes("1K:64M"),
                    help="sizes in bytes: a doubling range '1K:64M' or a list '4K,16M'")
     p.add_argument("--ops", type=lambda s: s.split(","), default=["all_reduce"],

@@ -79,12 +79,7 @@ def parser() -> argparse.ArgumentParser:
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))
-    p.add_argument("--nproc", type=int, default=None,
-                   help="spawn this many ranks here (not needed under mpirun/torchrun)")
-    p.add_argument("--backend", default="auto", choices=["auto", "gloo", "mpi"])
-    p.add_argument("--shm", default=None, choices=["auto", "on", "off"],
-                   help="point-to-point through shared memory between ranks of a host "
-                        "(default: $COLLECTIVES_SHM, else auto = when possible)")
+    bench.add_launch_arguments(p, ["auto", "gloo", "mpi"])
     p.add_argument("--sizes", type=bench.parse_sizes, default=bench.parse_sizes(LADDER),
                    help=f"the ladder of sizes in bytes (default {LADDER})")
     p.add_argument("--seconds-per-row", type=float, default=0.5,

@@ -51,6 +51,14 @@ def gpu_ids() -> List[str]:
     return [str(torch.cuda.get_device_properties(index).uuid) for index in range(gpu_count())]
 
 
+def ranks_by_host(host_of: Tuple[int, ...]) -> List[List[int]]:
+    """Each host's ranks, in rank order; hosts in order of their lowest rank."""
+    out: List[List[int]] = [[] for _ in range(max(host_of) + 1)]
+    for rank, host in enumerate(host_of):
+        out[host].append(rank)
+    return out
+
+
 @dataclass(frozen=True)
 class Census:
     host_of: Tuple[int, ...]              # rank -> host index; hosts by their lowest rank
@@ -85,10 +93,7 @@ class Census:
 
     @property
     def hosts(self) -> List[List[int]]:
-        out: List[List[int]] = [[] for _ in range(max(self.host_of) + 1)]
-        for rank, host in enumerate(self.host_of):
-            out[host].append(rank)
-        return out
+        return ranks_by_host(self.host_of)
 
     def local_rank(self, rank: int) -> int:
         return self.hosts[self.host_of[rank]].index(rank)

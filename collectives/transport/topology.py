@@ -17,7 +17,7 @@ from typing import List, Sequence, Tuple
 
 import torch
 
-from ..launch.census import host_fingerprint
+from ..launch.census import host_fingerprint, ranks_by_host
 
 
 @dataclass(frozen=True)
@@ -44,10 +44,7 @@ class Topology:
     @property
     def hosts(self) -> List[List[int]]:
         """Each host's ranks, in rank order; hosts in order of their lowest rank."""
-        out: List[List[int]] = [[] for _ in range(max(self.host_of) + 1)]
-        for rank, host in enumerate(self.host_of):
-            out[host].append(rank)
-        return out
+        return ranks_by_host(self.host_of)
 
     def local_ranks(self, rank: int) -> List[int]:
         return self.hosts[self.host_of[rank]]
