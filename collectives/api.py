@@ -396,7 +396,12 @@ def all_to_all(outputs: List[torch.Tensor], inputs: List[torch.Tensor],
 
 
 def _through_flat_buffers(tensors: Sequence[torch.Tensor], run) -> None:
-    """Call run(flat) on one flat copy per (dtype, device) group, then copy back."""
+    """Call run(flat) on one flat copy per (dtype, device) group, then copy back.
+
+    An expand()ed tensor (a dimension of stride 0) holds one value for all of that
+    dimension, and copy_ refuses to write it: it is written through index 0. The calls
+    that come here work in place, so the copies of one element came out alike (a float
+    sum perhaps added in another order: any of them is the sum)."""
     groups = {}
     for tensor in tensors:
         groups.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -405,7 +410,12 @@ def _through_flat_buffers(tensors: Sequence[torch.Tensor], run) -> None:
         run(flat)
         offset = 0
         for tensor in group:
-            tensor.detach().copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
+            target = tensor.detach()
+            result = flat[offset:offset + tensor.numel()].view_as(tensor)
+            for dim, (size, stride) in enumerate(zip(target.shape, target.stride())):
+                if stride == 0 and size > 1:
+                    target, result = target.narrow(dim, 0, 1), result.narrow(dim, 0, 1)
+            target.copy_(result)
             offset += tensor.numel()
 
 

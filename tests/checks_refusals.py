@@ -9,7 +9,9 @@
   and our own API (collectives.api). Every call is judged against the true value: ours
   must be right where gloo is, and otherwise right or refused on every rank with one
   line; and right after each, an all-reduce on the same face must be correct (the
-  communicator survived the call).
+  communicator survived the call). A list only the root holds is refused there alone
+  (REFUSED_BY_THE_ROOT); splits that do not add up end the group (BREAKS_THE_GROUP).
+- Splits refused on one rank alone: no rank gets a number from a stale message.
 
 Each check returns plain data; the test compares it across ranks.
 """
@@ -143,6 +145,27 @@ def check_horovod_reducescatter_rounds_once(comm):
     from collectives.horovod.ops import forget_engines
     forget_engines()
     return results
+
+
+def check_splits_refused_on_one_rank(comm) -> List[str]:
+    """[what all_to_all_single raised, what the all-reduce after it raised] on this rank,
+    where rank 0 alone passes splits that do not add up (a group whose timeout is 2 s,
+    made by both ranks together: its connections are made within that timeout too)."""
+    comm.barrier()
+    group = dist.new_group(backend="collectives", timeout=timedelta(seconds=2))
+    rank, size = comm.rank, comm.world_size
+    outcome = []
+    for call in (lambda: dist.all_to_all_single(
+                     torch.zeros(size), torch.ones(size) * (rank + 5), [1] * size,
+                     [2] + [1] * (size - 1) if rank == 0 else [1] * size, group=group),
+                 lambda: dist.all_reduce(torch.full((1,), rank + 1.0), group=group)):
+        try:
+            call()
+            outcome.append("returned")
+        except Exception as error:  # noqa: BLE001 -- the outcome is the result
+            outcome.append(f"{type(error).__name__}: {error}")
+    comm.barrier()  # (rank 0 stays until rank 1 has waited out its timeout)
+    return outcome
 
 
 # --- the sweep: one table, three faces ----------------------------------------------------
@@ -491,7 +514,86 @@ def _argument_error_cases() -> List[Case]:
     ]
 
 
-CASES = _reduction_cases() + _layout_cases() + _argument_error_cases()
+def _shared_memory_cases() -> List[Case]:
+    """Tensors whose elements share memory: in place, each copy of an element holds the
+    same value, so the call is right as gloo's is; an output of another call would have
+    to hold several values in one place, and is refused (gloo keeps one of them)."""
+    expanded = lambda r, n=3: (torch.ones(1) * (r + 1)).expand(n)  # noqa: E731
+    windows = lambda base: base.as_strided((3, 2), (1, 1))  # noqa: E731
+    return [
+        Case("all_reduce of an expand()ed tensor", lambda f, r, n: f.all_reduce(expanded(r)),
+             lambda r, n: torch.full((3,), n * (n + 1) / 2)),
+        Case("all_reduce of overlapping windows",
+             lambda f, r, n: f.all_reduce(windows(torch.arange(4.0) + r)),
+             lambda r, n: windows(sum(torch.arange(4.0) + k for k in range(n)))),
+        Case("broadcast of an expand()ed tensor", lambda f, r, n: f.broadcast(expanded(r), 1),
+             lambda r, n: torch.full((3,), 2.0)),
+        Case("reduce of an expand()ed tensor", lambda f, r, n: f.reduce(expanded(r), 0),
+             lambda r, n: torch.full((3,), n * (n + 1) / 2) if r == 0 else None),
+        Case("all_reduce_coalesced with an expand()ed tensor",
+             lambda f, r, n: f.all_reduce_coalesced([torch.ones(2) * (r + 1), expanded(r)]),
+             lambda r, n: [torch.full((2,), n * (n + 1) / 2), torch.full((3,), n * (n + 1) / 2)]),
+        Case("all_reduce_coalesced premul_sum with an expand()ed tensor",
+             lambda f, r, n: f.all_reduce_coalesced([expanded(r)], "premul:2.0"),
+             lambda r, n: [torch.full((3,), n * (n + 1.0))]),
+        Case("broadcast_coalesced with an expand()ed tensor",
+             lambda f, r, n: f.broadcast_coalesced([expanded(r), torch.ones(2) * r], 1),
+             lambda r, n: [torch.full((3,), 2.0), torch.ones(2)]),
+        Case("all_gather_into_tensor into an expand()ed output",
+             lambda f, r, n: f.all_gather_into_tensor(torch.zeros(1).expand(n),
+                                                      torch.ones(1) * (r + 1)),
+             lambda r, n: torch.arange(1.0, n + 1)),
+        Case("reduce_scatter_tensor into an expand()ed output",
+             lambda f, r, n: f.reduce_scatter_tensor(torch.zeros(1).expand(2),
+                                                     _values(r, 2 * n)),
+             lambda r, n: _reduced(_everyone(n, n=2 * n), "sum")[2 * r:2 * r + 2]),
+        Case("all_gather list into an expand()ed output",
+             lambda f, r, n: f.all_gather([torch.zeros(1).expand(2) for _ in range(n)],
+                                          torch.ones(2) * r),
+             lambda r, n: [torch.ones(2) * k for k in range(n)]),
+        Case("scatter into an expand()ed output",
+             lambda f, r, n: f.scatter(torch.zeros(1).expand(2),
+                                       [torch.arange(2.0) + k for k in range(n)]
+                                       if r == 0 else None, 0),
+             lambda r, n: torch.arange(2.0) + r),
+    ]
+
+
+def _root_only_cases() -> List[Case]:
+    """A list only the root holds (gather's outputs, scatter's inputs), refused there
+    alone: the others' messages must not be left for the next call to read (rank 1's
+    3 floats, the size of the all-reduce that follows each case, read by rank 0's
+    all-reduce gave 7 for 3, on both ranks, with no error)."""
+    mine = lambda r: torch.ones(3) * (r + 5)  # noqa: E731
+    return [
+        Case("gather: the root's output list one too long",
+             lambda f, r, n: f.gather(mine(r), [torch.zeros(3) for _ in range(n + 1)]
+                                      if r == 0 else None, 0), None),
+        Case("gather: the root's outputs of another shape",
+             lambda f, r, n: f.gather(mine(r), [torch.zeros(1, 3) for _ in range(n)]
+                                      if r == 0 else None, 0), None),
+        Case("gather: the root's outputs share memory",
+             lambda f, r, n: f.gather(mine(r), [torch.zeros(1).expand(3) for _ in range(n)]
+                                      if r == 0 else None, 0), None),
+        Case("scatter: the root's input list one too long",
+             lambda f, r, n: f.scatter(torch.zeros(3), [mine(k) for k in range(n + 1)]
+                                       if r == 0 else None, 0), None),
+        Case("scatter: the root's inputs of another shape",
+             lambda f, r, n: f.scatter(torch.zeros(3), [torch.ones(1, 3) for _ in range(n)]
+                                       if r == 0 else None, 0), None),
+    ]
+
+
+# Refused by the root alone; the others have nothing to refuse (gather) or are told
+# (scatter). gloo's others wait out the timeout, so gloo does not run them here.
+REFUSED_BY_THE_ROOT = tuple(case.name for case in _root_only_cases())
+# all_to_all_single's splits are each rank's own: one that refuses its splits cannot
+# know whether the others went ahead, so the group refuses every later call (here every
+# rank refuses alike, and so does every rank's group)
+BREAKS_THE_GROUP = ("all_to_all_single splits that do not add up",)
+
+CASES = (_reduction_cases() + _layout_cases() + _argument_error_cases()
+         + _shared_memory_cases() + _root_only_cases())
 
 
 def _as_list(value):
@@ -548,9 +650,10 @@ def _judge(face, case: Case, rank: int, size: int) -> tuple:
     return (outcome, text, _survives(face, rank, size))
 
 
-# gloo aborts the whole process on these (a failed CHECK in ProcessGroupGloo.cpp): its
-# outcome is known, and cannot be run here
+# gloo aborts the whole process on these (a failed CHECK in ProcessGroupGloo.cpp), or
+# its other ranks wait out the timeout: its outcome is known, and not run here
 GLOO_ABORTS = ("reduce_scatter_tensor input too small",)
+GLOO_SKIPS = GLOO_ABORTS + REFUSED_BY_THE_ROOT
 
 
 def _fresh_groups_where_broken(comm, faces, row, timeout) -> None:
@@ -580,8 +683,9 @@ def check_sweep(comm, timeout_seconds: float = 20.0, names=None):
             continue
         row = {}
         for name, face in faces.items():
-            if name == "gloo" and case.name in GLOO_ABORTS:
-                row[name] = ("refused", "(gloo aborts the process)", "ok")
+            if name == "gloo" and case.name in GLOO_SKIPS:
+                row[name] = ("refused", "(gloo aborts the process, or its others wait "
+                             "out the timeout)", "ok")
                 continue
             row[name] = _judge(face, case, rank, size)
         report[case.name] = row

@@ -26,11 +26,28 @@ What torch asks for that our algorithms do not do directly:
 
 Arguments are checked on the caller's thread, before the call is queued (`_check_*`
 below): a call gloo refuses (a bitwise op on floats, premul_sum on integers, a list of
-the wrong length, outputs of another dtype or shape) raises there, from the
-torch.distributed call itself, with one line, and nothing is sent. Every rank checks
-the same arguments, so every rank refuses alike, and the group stays usable: only a
-failure once the call runs (a peer lost, ranks that disagree) leaves the group refusing
-the rest (work.py).
+the wrong length, outputs of another dtype or shape, an output whose elements share
+memory) raises there, from the torch.distributed call itself, with one line, and nothing
+is sent. Where every rank holds the same arguments (the same call on every rank, as a
+correct program makes) every rank refuses alike, and the group stays usable. Some
+arguments are one rank's alone, and only that rank can refuse them:
+
+    gather's outputs    the root's alone: it refuses, and takes and drops the others'
+                        messages (queued in the group's order), so no later call
+                        reads them; the others' gather completes; the group goes on
+    scatter's inputs    the root's alone: it refuses, and its first message tells each
+                        rank so, which refuses too (work.Refused); the group goes on
+    all_to_all_single   each rank's own: the others may already be exchanging, and this
+      splits            rank cannot know what they expect from it, so it refuses and
+                        its group refuses every later call; the others fail at the
+                        group's timeout (as gloo's), and no call reads a stale message
+
+A failure once the call runs (a peer lost, ranks that disagree) leaves the group
+refusing the rest too (work.py). Out of reach: torch's own checks, which run before
+the backend is called (a gather or scatter list of another dtype, or none, on the root
+alone: torch refuses it there, and the others, gone ahead, meet the root's next call;
+gloo's wait out the timeout), and arguments that should be alike but are not, refused
+on some ranks only (a float8 tensor on one rank): the ranks are then out of step.
 """
 from __future__ import annotations
 
@@ -46,7 +63,7 @@ import torch.distributed as dist
 from .. import algorithms, api
 from ..launch.exit import EXIT_GRACE_SECONDS
 from ..transport import Transport
-from .work import Work, Worker
+from .work import Refused, Work, Worker
 
 # Keyed by the RedOpType's .value, a plain int: on a machine whose cores are shared, the
 # caches are cold at every call, and each read from torch's bound objects costs ~10 us
@@ -130,8 +147,40 @@ def _fresh(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack(buffer: torch.Tensor, tensor: torch.Tensor) -> None:
-    if buffer is not tensor:
-        tensor.copy_(buffer)
+    """The result in `buffer` copied back into the caller's tensor (unless it is it).
+    An expand()ed tensor (a dimension of stride 0) holds one value for all of that
+    dimension, and copy_ refuses to write it: it is written through index 0. Only an
+    in-place call gets here with one (outputs like that are refused, _check_own_memory),
+    and its copies of one element came out alike: one input, reduced or sent alike (a
+    float sum perhaps added in another order: any of them is the sum)."""
+    if buffer is tensor:
+        return
+    for dim, (size, stride) in enumerate(zip(tensor.shape, tensor.stride())):
+        if stride == 0 and size > 1:
+            tensor, buffer = tensor.narrow(dim, 0, 1), buffer.narrow(dim, 0, 1)
+    tensor.copy_(buffer)
+
+
+def _overlapping(tensor: torch.Tensor) -> bool:
+    """Whether two elements of the tensor are one place in memory (an expand()ed view,
+    overlapping as_strided windows)."""
+    verdict = torch._debug_has_internal_overlap(tensor)  # 0 no, 1 yes, 2 torch can't tell
+    if verdict != 2:
+        return verdict == 1
+    # Apart when each dimension, taken by stride, steps past all the smaller ones reach
+    # (true of every slice and permutation); else count the places.
+    dims = sorted((stride, size) for size, stride in zip(tensor.shape, tensor.stride())
+                  if size > 1)
+    reach = 0
+    for stride, size in dims:
+        if stride <= reach:
+            break
+        reach += (size - 1) * stride
+    else:
+        return False
+    span = 1 + sum((size - 1) * stride for stride, size in dims)
+    places = torch.arange(span).as_strided(tensor.shape, tensor.stride())
+    return places.unique().numel() < tensor.numel()
 
 
 def _reducible(tensor: torch.Tensor, op: str):
@@ -175,6 +224,16 @@ def _check_reduction(tensor, op: str, factor, what: str) -> None:
         raise ValueError(f"{what}: cannot use op {op} with non-integral dtype {_dtype(tensor)}")
 
 
+def _check_own_memory(output: torch.Tensor, what: str) -> None:
+    """An output whose elements are each a place of their own: one that shares places
+    (an expand()ed view) could not hold a different value in each, and gloo writes one
+    of them over the other. The layout is the caller's alone, alike on every rank."""
+    if _overlapping(output):
+        raise ValueError(f"{what}: elements of this output share memory (an expand()ed "
+                         f"or overlapping view, strides {tuple(output.stride())}), so it "
+                         "cannot hold a value for each: pass a tensor of its own (.clone())")
+
+
 def _check_like(tensor, reference: torch.Tensor, what: str) -> None:
     """A tensor of the reference's dtype and shape (a list form's each entry)."""
     _check_movable(tensor, what)
@@ -215,6 +274,19 @@ def _pieces(tensor: torch.Tensor, splits: List[int], n: int) -> List[torch.Tenso
         pieces.append(flat[start * row:(start + count) * row])
         start += count
     return pieces
+
+
+# Scatter's first message to each rank says whether the root sends its piece: the
+# inputs are the root's alone, and a root that refuses them tells every rank, which then
+# refuses too, in step. (One byte more per rank; the piece follows it at once.)
+_SCATTER_SENDS, _SCATTER_REFUSED = 1, 0
+
+
+def _failing(text: str) -> Callable[[], None]:
+    """A job that fails with `text`: after it, the group refuses every later call."""
+    def run() -> None:
+        raise ValueError(text)
+    return run
 
 
 class CollectivesBackend(dist._Backend):
@@ -329,12 +401,15 @@ class CollectivesBackend(dist._Backend):
         algorithm = self.algorithm["all_reduce"]
 
         def run():
-            if all(t.dtype in api.SUPPORTED_DTYPES for t in tensors):
+            # in one flat buffer, scaled where they lie; with bool or complex among them,
+            # or a tensor whose elements share memory (scaled there, a place shared by
+            # two would be scaled twice): each on its own (the same on every rank)
+            if all(t.dtype in api.SUPPORTED_DTYPES and not _overlapping(t) for t in tensors):
                 if factor is not None:
                     for tensor in tensors:
                         tensor.mul_(factor)
                 api.all_reduce_coalesced(tensors, op, algorithm, self.comm)
-            else:  # bool or complex among them: each on its own (the same on every rank)
+            else:
                 for tensor in tensors:
                     self._all_reduce_in_place(tensor, op, factor, algorithm)
         return self._submit("all_reduce_coalesced", run, list(tensors), opts=opts)
@@ -367,6 +442,7 @@ class CollectivesBackend(dist._Backend):
 
     def _check_reduce_scatter(self, output, input, op, factor, what: str) -> None:
         _check_reduction(output, op, factor, what)
+        _check_own_memory(output, what)
         _check_reduction(input, op, factor, what)
         n = self.comm.world_size
         if input.dtype != output.dtype or input.numel() != n * output.numel():
@@ -379,6 +455,7 @@ class CollectivesBackend(dist._Backend):
         _check_list(input_lists, len(outputs), "reduce_scatter")
         for output, inputs in zip(outputs, input_lists):
             _check_reduction(output, op, factor, "reduce_scatter")
+            _check_own_memory(output, "reduce_scatter")
             _check_list(inputs, self.comm.world_size, "reduce_scatter: input list")
             for input in inputs:
                 _check_like(input, output, "reduce_scatter: input")
@@ -433,6 +510,7 @@ class CollectivesBackend(dist._Backend):
         _check_list(outputs, self.comm.world_size, f"{what}: output list")
         for output in outputs:
             _check_like(output, input, f"{what}: output")
+            _check_own_memory(output, f"{what}: output")
 
     def allgather(self, output_lists, input_list, opts=None):
         _check_list(output_lists, len(input_list), "all_gather")
@@ -458,6 +536,7 @@ class CollectivesBackend(dist._Backend):
 
     def _check_gather_tensor(self, output, input, what: str) -> None:
         _check_movable(output, what)
+        _check_own_memory(output, what)
         _check_movable(input, what)
         n = self.comm.world_size
         if output.dtype != input.dtype or output.numel() != n * input.numel():
@@ -491,11 +570,17 @@ class CollectivesBackend(dist._Backend):
         root, comm = opts.rootRank, self.comm
         _check_root(root, comm.world_size, "gather")
         _check_list(input_list, 1, "gather: input list")
-        if comm.rank == root:  # (only the root has outputs: as gloo's, a bad list
-            _check_list(output_lists, 1, "gather: output lists")  # fails there alone)
-            self._check_gather_list(output_lists[0], input_list[0], "gather")
-        else:
-            _check_movable(input_list[0], "gather")
+        _check_movable(input_list[0], "gather")
+        if comm.rank == root:
+            try:  # the outputs are the root's alone: only the root can refuse them
+                _check_list(output_lists, 1, "gather: output lists")
+                self._check_gather_list(output_lists[0], input_list[0], "gather")
+            except (TypeError, ValueError):
+                # The others send all the same. Their messages are taken (in the
+                # group's order) and dropped, so that no later call reads them.
+                self._submit("gather", lambda: self._drop_gathered(input_list[0], root),
+                             [], opts=opts, inputs=list(input_list))
+                raise
 
         def run():
             input = _bytes_view(_packed(input_list[0]))
@@ -514,30 +599,61 @@ class CollectivesBackend(dist._Backend):
         return self._submit("gather", run, list(output_lists[0]) if output_lists else [],
                             opts=opts, inputs=list(input_list))
 
+    def _drop_gathered(self, like: torch.Tensor, root: int) -> None:
+        """What every other rank sends to a gather whose root refused its outputs
+        (tensors like the root's input), received into scratch memory and dropped."""
+        others = [peer for peer in range(self.comm.world_size) if peer != root]
+        scratch = [_bytes_view(torch.empty(like.shape, dtype=like.dtype)) for _ in others]
+        handles = [self.comm.irecv(buffer, peer) for buffer, peer in zip(scratch, others)]
+        for handle in handles:
+            handle.wait()
+
     def scatter(self, outputs, input_lists, opts):
         root, comm = opts.rootRank, self.comm
         _check_root(root, comm.world_size, "scatter")
         _check_list(outputs, 1, "scatter: output list")
         _check_movable(outputs[0], "scatter")
-        if comm.rank == root:  # (as gather: the inputs are the root's alone)
-            _check_list(input_lists, 1, "scatter: input lists")
-            _check_list(input_lists[0], comm.world_size, "scatter: input list")
-            for input in input_lists[0]:
-                _check_like(input, outputs[0], "scatter: input")
+        _check_own_memory(outputs[0], "scatter")
+        if comm.rank == root:
+            try:
+                _check_list(input_lists, 1, "scatter: input lists")
+                _check_list(input_lists[0], comm.world_size, "scatter: input list")
+                for input in input_lists[0]:
+                    _check_like(input, outputs[0], "scatter: input")
+            except (TypeError, ValueError):
+                self._submit("scatter", lambda: self._tell_scatter(root, _SCATTER_REFUSED),
+                             [], opts=opts)
+                raise
 
         def run():
             buffer = _packed(outputs[0])
             if comm.rank != root:
+                sending = torch.empty(1, dtype=torch.uint8)
+                comm.recv(sending, root)
+                if sending.item() != _SCATTER_SENDS:
+                    raise Refused(f"scatter: the root (rank {root}) refused its input "
+                                  "list; nothing was sent")
                 comm.recv(_bytes_view(buffer), root)
             else:
                 inputs = [_bytes_view(_packed(t)) for t in input_lists[0]]
-                handles = [comm.isend(inputs[peer], peer) for peer in range(comm.world_size)
-                           if peer != root]
+                handles = self._tell_scatter(root, _SCATTER_SENDS, wait=False)
+                handles += [comm.isend(inputs[peer], peer) for peer in range(comm.world_size)
+                            if peer != root]
                 _bytes_view(buffer).copy_(inputs[root])
                 for handle in handles:
                     handle.wait()
             _unpack(buffer, outputs[0])
         return self._submit("scatter", run, list(outputs), opts=opts)
+
+    def _tell_scatter(self, root: int, word: int, wait: bool = True):
+        """Scatter's first message, `word`, from the root to every other rank."""
+        comm, message = self.comm, torch.tensor([word], dtype=torch.uint8)
+        handles = [comm.isend(message, peer) for peer in range(comm.world_size)
+                   if peer != root]
+        if not wait:
+            return handles
+        for handle in handles:
+            handle.wait()
 
     def alltoall(self, outputs, inputs, opts=None):
         n = self.comm.world_size
@@ -545,6 +661,7 @@ class CollectivesBackend(dist._Backend):
         _check_list(inputs, n, "all_to_all: input list")
         for output, input in zip(outputs, inputs):
             _check_movable(output, "all_to_all: output")
+            _check_own_memory(output, "all_to_all: output")
             _check_movable(input, "all_to_all: input")
             if output.dtype != input.dtype:
                 raise ValueError(f"all_to_all: dtypes differ ({_dtype(output)} and "
@@ -565,9 +682,20 @@ class CollectivesBackend(dist._Backend):
         if output.dtype != input.dtype:
             raise ValueError(f"all_to_all_single: dtypes differ ({_dtype(output)} and "
                              f"{_dtype(input)})")
+        _check_own_memory(output, "all_to_all_single")
         buffer = _packed(output)
-        outs = _pieces(_bytes_view(buffer), list(output_splits), n)
-        ins = _pieces(_bytes_view(_packed(input)), list(input_splits), n)
+        try:
+            outs = _pieces(_bytes_view(buffer), list(output_splits), n)
+            ins = _pieces(_bytes_view(_packed(input)), list(input_splits), n)
+        except ValueError as error:
+            if output_splits or input_splits:
+                # Splits are each rank's own: the others may be sending already, and
+                # this rank cannot know what they expect from it. Refused, and the
+                # group then refuses every later call (in the group's order), so that
+                # no later call reads their messages: they fail at their timeout.
+                self._submit("all_to_all_single", _failing(str(error)), [output],
+                             opts=opts)
+            raise
 
         def run():
             api.all_to_all(outs, ins, self.comm)

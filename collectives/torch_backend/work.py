@@ -41,7 +41,10 @@ those are all it has.
 
 A collective that fails leaves the group's ranks out of step (some messages were sent,
 some not), so the worker refuses every later collective of that group with the first
-error, as NCCL aborts a communicator; the job should end, or make a new group.
+error, as NCCL aborts a communicator; the job should end, or make a new group. The one
+exception is `Refused`: a call whose ranks all learned, in step, that it would not run
+(scatter's ranks, told by a root that refused its own input list): it fails, and the
+group goes on.
 """
 from __future__ import annotations
 
@@ -54,6 +57,11 @@ import torch
 import torch.distributed as dist
 
 from ..transport import PeerError
+
+
+class Refused(ValueError):
+    """A call that failed on every rank in step, its messages all matched: the group
+    stays usable (the worker does not refuse later calls after it)."""
 
 
 class Work(dist._Work):
@@ -176,6 +184,8 @@ class Worker:
                     return
                 try:
                     run()
+                except Refused as error:
+                    work.finish(error)
                 except BaseException as error:  # noqa: BLE001 -- handed to the waiter
                     self.broken = error
                     work.finish(error)
