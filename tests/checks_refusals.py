@@ -168,6 +168,29 @@ def check_splits_refused_on_one_rank(comm) -> List[str]:
     return outcome
 
 
+def check_gather_list_torch_refuses_on_the_root(comm) -> List[str]:
+    """[what gather raised, what the all-reduce after it did] on this rank, where the
+    root (rank 0) alone passes a gather list of another dtype: torch refuses it before
+    the backend is called (a group whose timeout is 2 s)."""
+    comm.barrier()
+    group = dist.new_group(backend="collectives", timeout=timedelta(seconds=2))
+    rank, size = comm.rank, comm.world_size
+    mine = torch.full((1,), rank + 5.0)
+    outcome = []
+    total = torch.full((2,), rank + 1.0)
+    for call in (lambda: dist.gather(mine, [torch.zeros(1, dtype=torch.int64)] * size
+                                     if rank == 0 else None, 0, group=group),
+                 lambda: dist.all_reduce(total, group=group)):
+        try:
+            call()
+            outcome.append("returned")
+        except Exception as error:  # noqa: BLE001 -- the outcome is the result
+            outcome.append(f"{type(error).__name__}: {error}")
+    outcome.append(total.tolist())
+    comm.barrier()  # (rank 0 stays until rank 1 has waited out its timeout)
+    return outcome
+
+
 # --- the sweep: one table, three faces ----------------------------------------------------
 OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.AVG, "max": dist.ReduceOp.MAX,
        "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT, "band": dist.ReduceOp.BAND,

@@ -113,17 +113,28 @@ def test_a_list_only_the_root_holds_is_refused_there_and_the_group_stays_in_step
     """gather's outputs and scatter's inputs are the root's alone. Refused there alone,
     the others' gather messages used to stay in the channel, and the root's next
     all-reduce read them (7 for 3 on both ranks, no error); scatter's others waited out
-    the timeout. Now the root refuses in one line and takes the others' messages;
-    scatter's root tells the others, which refuse too; the all-reduce after is right on
+    the timeout. Now the root refuses in one line, and its first message tells the
+    others, which send only after it and refuse too; the all-reduce after is right on
     every rank."""
     assert len(checks.REFUSED_BY_THE_ROOT) >= 4
     for case in checks.REFUSED_BY_THE_ROOT:
         rows = sweep[case]
         root, others = rows[0]["backend"], [row["backend"] for row in rows[1:]]
         assert root[0] == "refused" and "\n" not in root[1], (case, root)
-        expected = "refused" if case.startswith("scatter") else "done"
-        assert all(other[0] == expected for other in others), (case, others)
+        assert all(other[0] == "refused" for other in others), (case, others)
         assert all(row["backend"][2] == "ok" for row in rows), (case, rows)
+
+
+@pytest.mark.timeout(60)
+def test_a_gather_list_torch_refuses_on_the_root_leaves_no_message_behind():
+    """torch refuses a gather list of another dtype on the root before the backend is
+    called. The other rank's piece used to go at once, and the root's next all-reduce
+    read it (a wrong sum, no error). Now the others wait for the root's first message:
+    rank 1's gather fails, and no rank's all-reduce gives a number."""
+    outcomes = run_world(checks.check_gather_list_torch_refuses_on_the_root, 2, timeout=50)
+    assert "returned" != outcomes[0][0] and "returned" != outcomes[1][0], outcomes
+    for rank, (_, reduced, total) in enumerate(outcomes):
+        assert reduced != "returned" or total == [3.0, 3.0], (rank, outcomes)
 
 
 @pytest.mark.timeout(180)

@@ -32,22 +32,21 @@ is sent. Where every rank holds the same arguments (the same call on every rank,
 correct program makes) every rank refuses alike, and the group stays usable. Some
 arguments are one rank's alone, and only that rank can refuse them:
 
-    gather's outputs    the root's alone: it refuses, and takes and drops the others'
-                        messages (queued in the group's order), so no later call
-                        reads them; the others' gather completes; the group goes on
-    scatter's inputs    the root's alone: it refuses, and its first message tells each
-                        rank so, which refuses too (work.Refused); the group goes on
+    gather's outputs    the root's alone: it refuses, and its first message tells each
+                        rank so (the others send only after it), which refuses too
+                        (work.Refused); the group goes on
+    scatter's inputs    the same: the root's first message says whether pieces follow
     all_to_all_single   each rank's own: the others may already be exchanging, and this
       splits            rank cannot know what they expect from it, so it refuses and
                         its group refuses every later call; the others fail at the
                         group's timeout (as gloo's), and no call reads a stale message
 
 A failure once the call runs (a peer lost, ranks that disagree) leaves the group
-refusing the rest too (work.py). Out of reach: torch's own checks, which run before
-the backend is called (a gather or scatter list of another dtype, or none, on the root
-alone: torch refuses it there, and the others, gone ahead, meet the root's next call;
-gloo's wait out the timeout), and arguments that should be alike but are not, refused
-on some ranks only (a float8 tensor on one rank): the ranks are then out of step.
+refusing the rest too (work.py). torch's own checks run before the backend is called:
+a gather or scatter list of another dtype, or none, on the root alone is refused
+there, and the others, waiting for the root's first message, fail at the timeout, as
+gloo's do. Out of reach: arguments that should be alike but are not, refused on some
+ranks only (a float8 tensor on one rank): the ranks are then out of step.
 """
 from __future__ import annotations
 
@@ -279,7 +278,7 @@ def _pieces(tensor: torch.Tensor, splits: List[int], n: int) -> List[torch.Tenso
 # Scatter's first message to each rank says whether the root sends its piece: the
 # inputs are the root's alone, and a root that refuses them tells every rank, which then
 # refuses too, in step. (One byte more per rank; the piece follows it at once.)
-_SCATTER_SENDS, _SCATTER_REFUSED = 1, 0
+_GOES_ON, _REFUSED = 1, 0  # the root's first message of a gather or scatter
 
 
 def _failing(text: str) -> Callable[[], None]:
@@ -576,21 +575,23 @@ class CollectivesBackend(dist._Backend):
                 _check_list(output_lists, 1, "gather: output lists")
                 self._check_gather_list(output_lists[0], input_list[0], "gather")
             except (TypeError, ValueError):
-                # The others send all the same. Their messages are taken (in the
-                # group's order) and dropped, so that no later call reads them.
-                self._submit("gather", lambda: self._drop_gathered(input_list[0], root),
+                # The others send only once the root says it takes their pieces
+                # (_root_says): it says no, and they refuse too.
+                self._submit("gather", lambda: self._root_says(root, _REFUSED),
                              [], opts=opts, inputs=list(input_list))
                 raise
 
         def run():
             input = _bytes_view(_packed(input_list[0]))
             if comm.rank != root:
+                self._hear_root(root, "gather", "output lists")
                 comm.send(input, root)
                 return
             outputs = output_lists[0]
             buffers = [_packed(t) for t in outputs]
             handles = [comm.irecv(_bytes_view(buffers[peer]), peer)
                        for peer in range(comm.world_size) if peer != root]
+            handles += self._root_says(root, _GOES_ON, wait=False)
             _bytes_view(buffers[root]).copy_(input)
             for handle in handles:
                 handle.wait()
@@ -598,15 +599,6 @@ class CollectivesBackend(dist._Backend):
                 _unpack(buffer, output)
         return self._submit("gather", run, list(output_lists[0]) if output_lists else [],
                             opts=opts, inputs=list(input_list))
-
-    def _drop_gathered(self, like: torch.Tensor, root: int) -> None:
-        """What every other rank sends to a gather whose root refused its outputs
-        (tensors like the root's input), received into scratch memory and dropped."""
-        others = [peer for peer in range(self.comm.world_size) if peer != root]
-        scratch = [_bytes_view(torch.empty(like.shape, dtype=like.dtype)) for _ in others]
-        handles = [self.comm.irecv(buffer, peer) for buffer, peer in zip(scratch, others)]
-        for handle in handles:
-            handle.wait()
 
     def scatter(self, outputs, input_lists, opts):
         root, comm = opts.rootRank, self.comm
@@ -621,22 +613,18 @@ class CollectivesBackend(dist._Backend):
                 for input in input_lists[0]:
                     _check_like(input, outputs[0], "scatter: input")
             except (TypeError, ValueError):
-                self._submit("scatter", lambda: self._tell_scatter(root, _SCATTER_REFUSED),
-                             [], opts=opts)
+                self._submit("scatter", lambda: self._root_says(root, _REFUSED), [],
+                             opts=opts)
                 raise
 
         def run():
             buffer = _packed(outputs[0])
             if comm.rank != root:
-                sending = torch.empty(1, dtype=torch.uint8)
-                comm.recv(sending, root)
-                if sending.item() != _SCATTER_SENDS:
-                    raise Refused(f"scatter: the root (rank {root}) refused its input "
-                                  "list; nothing was sent")
+                self._hear_root(root, "scatter", "input list")
                 comm.recv(_bytes_view(buffer), root)
             else:
                 inputs = [_bytes_view(_packed(t)) for t in input_lists[0]]
-                handles = self._tell_scatter(root, _SCATTER_SENDS, wait=False)
+                handles = self._root_says(root, _GOES_ON, wait=False)
                 handles += [comm.isend(inputs[peer], peer) for peer in range(comm.world_size)
                             if peer != root]
                 _bytes_view(buffer).copy_(inputs[root])
@@ -645,8 +633,19 @@ class CollectivesBackend(dist._Backend):
             _unpack(buffer, outputs[0])
         return self._submit("scatter", run, list(outputs), opts=opts)
 
-    def _tell_scatter(self, root: int, word: int, wait: bool = True):
-        """Scatter's first message, `word`, from the root to every other rank."""
+    def _hear_root(self, root: int, collective: str, what: str) -> None:
+        """A gather's or scatter's first message, from the root: whether it goes on."""
+        word = torch.empty(1, dtype=torch.uint8)
+        self.comm.recv(word, root)
+        if word.item() != _GOES_ON:
+            raise Refused(f"{collective}: the root (rank {root}) refused its {what}; "
+                          "nothing was sent")
+
+    def _root_says(self, root: int, word: int, wait: bool = True):
+        """The root's first message of a gather or scatter, `word`, to every other
+        rank: they send (gather) or receive (scatter) only after it, so a root that
+        refused, here or in torch's own checks before the backend is called, leaves
+        no message of theirs behind for a later call to read."""
         comm, message = self.comm, torch.tensor([word], dtype=torch.uint8)
         handles = [comm.isend(message, peer) for peer in range(comm.world_size)
                    if peer != root]
