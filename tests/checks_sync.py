@@ -108,7 +108,7 @@ def delayed_is_one_step_late(comm):
     # delayed step 1 applies nothing; step 2 applies step 1's average, computed at the
     # same parameters as allreduce's step 1
     expected = train_mlp(comm, "allreduce", steps=1)
-    actual = train_mlp(comm, "delayed", steps=2)
+    actual = train_mlp(comm, "delayed", steps=2, warmup_steps=0)
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-10, atol=1e-12)
     return "ok"
@@ -133,7 +133,8 @@ def one_bad_gradient_is_forgotten(comm, value, steps=6, bad_step=2):
     """
     finite_steps = {}
     for name in GRADIENT_STRATEGIES:
-        strategy = sync.create(name, algorithm="ring")
+        late = {"warmup_steps": 0} if name == "delayed" else {}  # late from step 1
+        strategy = sync.create(name, algorithm="ring", **late)
         model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         finite_steps[name], applied = [], 0
@@ -162,7 +163,7 @@ def delayed_unscales_each_gradient_with_its_own_scale(comm, steps=6, bad_step=2)
     changes in between: growth_interval=1 doubles it after every applied step, and an
     overflow at `bad_step` (seen, and skipped, at bad_step + 1) halves it.
     Returns the scale of every step."""
-    strategy = sync.create("delayed", algorithm="ring")
+    strategy = sync.create("delayed", algorithm="ring", warmup_steps=0)
     model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)

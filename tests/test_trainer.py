@@ -108,7 +108,8 @@ HIER = [*LOCAL_SGD, "--sync-option", "local_period=2"]
 STREAMING = ["--sync-option", "period=8", "--sync-option", "fragments=2",
              "--sync-option", "delay=2", "--train-samples", "56"]
 RESUMABLE = {"allreduce": [], "fp16": [], "bf16": [], "topk": [], "powersgd": [],
-             "delayed": [], "local-sgd": LOCAL_SGD, "gossip": [], "ddp": [],
+             "delayed": ["--sync-option", "warmup_steps=1"],  # synchronous, then late
+             "local-sgd": LOCAL_SGD, "gossip": [], "ddp": [],
              "ddp-collectives": [], "ddp-fp16": [], "ddp-bf16": [], "ddp-powersgd": [],
              "ddp-localsgd": LOCAL_SGD, "hier-local-sgd": HIER, "ddp-hier-localsgd": HIER,
              "diloco": STREAMING, "torchft-diloco": STREAMING,
@@ -164,18 +165,19 @@ def test_resume_continues_every_rank_bit_for_bit(case, tmp_path):
 
 @pytest.mark.timeout(120)
 def test_an_epoch_counts_the_bytes_its_background_communication_sent(tmp_path):
-    # delayed all-reduces each step's gradients on a background thread during the next
-    # step: the last step's is still in flight when the loop ends. Counted in its epoch,
+    # delayed (late from the first step) all-reduces each step's gradients on a
+    # background thread during the next step: the last step's is still in flight when
+    # the loop ends. Counted in its epoch,
     # delayed sends what allreduce sends per step (the same gradients, once each); read
     # before it ends, the first epoch would miss a step's bytes (1 of the 3 here).
     flags = ["--train-samples", "24", "--test-samples", "4", "--batch-size", "4",
              "--epochs", "2"]
     per_step = {}
-    for sync in ("allreduce", "delayed"):
+    for sync, options in (("allreduce", []), ("delayed", ["--sync-option", "warmup_steps=0"])):
         folder = tmp_path / sync
         folder.mkdir()
-        records = run_world(epoch_records, 2, (str(folder), [*flags, "--sync", sync]),
-                            timeout=100)[0]
+        records = run_world(epoch_records, 2,
+                            (str(folder), [*flags, "--sync", sync, *options]), timeout=100)[0]
         per_step[sync] = [record["bytes_per_step"] for record in records]
     for epoch, (reference, delayed) in enumerate(zip(per_step["allreduce"], per_step["delayed"])):
         assert delayed == pytest.approx(reference, rel=0.05), (epoch + 1, per_step)
