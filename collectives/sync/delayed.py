@@ -123,7 +123,7 @@ class Delayed(SyncStrategy):
     def setup(self, model, comm) -> None:
         super().setup(model, comm)
         self.channel = comm.duplicate()  # the training thread keeps using comm
-        self.worker = CommWorker()
+        self.worker = CommWorker(comm.device)
         self.lowered = []  # the param groups whose momentum was lowered
         self.momentum_hook = None
         if self.compensate == "momentum":
