@@ -1,11 +1,11 @@
 """Per-rank bodies of test_delayed.py: delayed against allreduce on the embedded shapes."""
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import collectives
 from collectives import sync
 from trainer.loop.data import make_shapes
+from checks_sync import step_once
 
 
 def small_resnet_like():
@@ -40,12 +40,8 @@ def shapes_accuracy(comm, name, options=None, steps=48, seed=0, images=2048, bat
     model.train()
     for step in range(1, steps + 1):
         batch_indices = order[(step - 1) * batch:step * batch]
-        optimizer.zero_grad()
-        F.cross_entropy(model(images[batch_indices]), labels[batch_indices]).backward()
-        strategy.after_backward(model.module)
-        optimizer.step()
-        schedule.step()
-        strategy.after_step(model.module, step)
+        step_once(model, strategy, optimizer, images[batch_indices], labels[batch_indices],
+                  step, after_optimizer=lambda module, step: schedule.step())
     strategy.close()
     model.module.eval()
     with torch.no_grad():

@@ -154,17 +154,24 @@ def check_splits_refused_on_one_rank(comm) -> List[str]:
     comm.barrier()
     group = dist.new_group(backend="collectives", timeout=timedelta(seconds=2))
     rank, size = comm.rank, comm.world_size
+    outcome = _outcomes(
+        lambda: dist.all_to_all_single(
+            torch.zeros(size), torch.ones(size) * (rank + 5), [1] * size,
+            [2] + [1] * (size - 1) if rank == 0 else [1] * size, group=group),
+        lambda: dist.all_reduce(torch.full((1,), rank + 1.0), group=group))
+    comm.barrier()  # (rank 0 stays until rank 1 has waited out its timeout)
+    return outcome
+
+
+def _outcomes(*calls) -> List[str]:
+    """Each call's outcome, in turn: "returned", or what it raised in one line."""
     outcome = []
-    for call in (lambda: dist.all_to_all_single(
-                     torch.zeros(size), torch.ones(size) * (rank + 5), [1] * size,
-                     [2] + [1] * (size - 1) if rank == 0 else [1] * size, group=group),
-                 lambda: dist.all_reduce(torch.full((1,), rank + 1.0), group=group)):
+    for call in calls:
         try:
             call()
             outcome.append("returned")
         except Exception as error:  # noqa: BLE001 -- the outcome is the result
             outcome.append(f"{type(error).__name__}: {error}")
-    comm.barrier()  # (rank 0 stays until rank 1 has waited out its timeout)
     return outcome
 
 
@@ -176,16 +183,11 @@ def check_gather_list_torch_refuses_on_the_root(comm) -> List[str]:
     group = dist.new_group(backend="collectives", timeout=timedelta(seconds=2))
     rank, size = comm.rank, comm.world_size
     mine = torch.full((1,), rank + 5.0)
-    outcome = []
     total = torch.full((2,), rank + 1.0)
-    for call in (lambda: dist.gather(mine, [torch.zeros(1, dtype=torch.int64)] * size
-                                     if rank == 0 else None, 0, group=group),
-                 lambda: dist.all_reduce(total, group=group)):
-        try:
-            call()
-            outcome.append("returned")
-        except Exception as error:  # noqa: BLE001 -- the outcome is the result
-            outcome.append(f"{type(error).__name__}: {error}")
+    outcome = _outcomes(
+        lambda: dist.gather(mine, [torch.zeros(1, dtype=torch.int64)] * size
+                            if rank == 0 else None, 0, group=group),
+        lambda: dist.all_reduce(total, group=group))
     outcome.append(total.tolist())
     comm.barrier()  # (rank 0 stays until rank 1 has waited out its timeout)
     return outcome

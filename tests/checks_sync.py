@@ -341,12 +341,8 @@ def mnist_accuracy(comm, name, epochs=3, options=None, momentum=0.9):
             if len(batch) < 32:
                 continue
             step += 1
-            optimizer.zero_grad()
-            F.cross_entropy(model(images[batch]), labels[batch]).backward()
-            strategy.after_backward(model.module)
-            optimizer.step()
-            schedule.step()
-            strategy.after_step(model.module, step)
+            step_once(model, strategy, optimizer, images[batch], labels[batch], step,
+                      after_optimizer=lambda module, step: schedule.step())
     strategy.close()
     with torch.no_grad():
         predicted = model.module(test_images).argmax(1)

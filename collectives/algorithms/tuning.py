@@ -29,7 +29,6 @@ rank 0 says why in one line.
 """
 from __future__ import annotations
 
-import bisect
 import datetime
 import hashlib
 import json
@@ -166,12 +165,3 @@ def agree(comm, table: Optional[Table], source: str) -> Tuple[Optional[Table], s
               "host, or set COLLECTIVES_TUNING on every rank", file=sys.stderr, flush=True)
     return None, source
 
-
-def nearest_rung(sizes: Sequence[int], nbytes: int) -> int:
-    """The index of the ladder size closest to `nbytes` (geometrically)."""
-    index = bisect.bisect_left(sizes, nbytes)
-    if index == 0:
-        return 0
-    if index == len(sizes):
-        return len(sizes) - 1
-    return index if sizes[index] / nbytes < nbytes / sizes[index - 1] else index - 1

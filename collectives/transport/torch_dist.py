@@ -233,6 +233,10 @@ class TorchDistTransport(Transport):
         """Whether `tensor` (as moved: staged already) goes to NCCL; else to gloo."""
         return self.backend == "nccl" and tensor.device.type != "cpu"
 
+    def _group_for(self, tensor: torch.Tensor):
+        """The group object whose collectives move `tensor`: NCCL's, or gloo's."""
+        return self.pg if self._over_nccl(tensor) else self.cpu_pg
+
     @classmethod
     def over_store(cls, store, rank: int, world_size: int, local_rank: int,
                    timeout: timedelta, prefix: str = "collectives") -> "TorchDistTransport":
@@ -310,8 +314,7 @@ class TorchDistTransport(Transport):
     def _all_reduce_work(self, tensor: torch.Tensor, op):
         options = dist.AllreduceOptions()
         options.reduceOp = op
-        pg = self.pg if self._over_nccl(tensor) else self.cpu_pg
-        return pg.allreduce([tensor], options)
+        return self._group_for(tensor).allreduce([tensor], options)
 
     def _reduce(self, tensor: torch.Tensor, op) -> None:
         _TorchHandle(self._all_reduce_work(tensor, op), "native all_reduce",
@@ -365,7 +368,7 @@ class TorchDistTransport(Transport):
             tensor = tensor.reshape(-1).view(torch.uint8)
         options = dist.BroadcastOptions()
         options.rootRank = src
-        work = (self.pg if nccl else self.cpu_pg).broadcast([tensor], options)
+        work = self._group_for(tensor).broadcast([tensor], options)
         _TorchHandle(work, f"native broadcast from rank {src}", self.timeout).wait()
 
     # --- duplicates and the end -----------------------------------------------------------
