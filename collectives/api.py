@@ -246,11 +246,18 @@ WITHOUT_NATIVE = {"all_reduce": "tree", "broadcast": "tree", "reduce_scatter": "
 
 
 def _auto(collective: str, nbytes: int, comm: Transport) -> str:
-    """auto's choice for `collective` of `nbytes` on `comm` (algorithms/auto.py)."""
-    chosen = algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
-                                                comm.topology, table=comm.tuning)
-    if chosen == "native" and not comm.native_collectives:
-        return WITHOUT_NATIVE[collective]
+    """auto's choice for `collective` of `nbytes` on `comm` (algorithms/auto.py),
+    remembered on `comm` for its transport, placement and table: working it out again
+    at every call (a few microseconds of Python) made auto 10-15 % slower than the
+    algorithm it chose at 64 KiB on 2 shared cores."""
+    key = (collective, nbytes, comm.name, id(comm.topology), id(comm.tuning))
+    chosen = comm.auto_choices.get(key)
+    if chosen is None:
+        chosen = algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
+                                                    comm.topology, table=comm.tuning)
+        if chosen == "native" and not comm.native_collectives:
+            chosen = WITHOUT_NATIVE[collective]
+        comm.auto_choices[key] = chosen
     return chosen
 
 

@@ -36,13 +36,18 @@ headers included: about 5 % over the payload).
 
 Timing: each rank runs the collective back to back and the slowest rank's mean is
 reported. The timed buffers hold zeros so repeated sums cannot overflow; #wrong comes
-from a separate run on data whose result is known exactly.
+from a separate run on data whose result is known exactly. `--in-turns` times the
+algorithms of a size together instead, call by call in a random order each round, so
+that a machine whose speed drifts treats them alike: the way to compare them. Then,
+per all-reduce size, a line says what auto would run from each of its sources (the
+tuning table, if one; the cost model) and that algorithm's time over the quickest's.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import random
 import re
 import sys
 import time
@@ -165,6 +170,38 @@ class Runner:
                 times.append(self._slowest((time.perf_counter() - started) / iters))
         return [sorted(times)[len(times) // 2] for times in means], iters
 
+    def _slowest_each(self, values: List[float]) -> List[float]:
+        tensor = torch.tensor(values, dtype=torch.float64)
+        self.comm.native_all_reduce(tensor, "max")
+        return tensor.tolist()
+
+    def in_turns(self, steps) -> List[float]:
+        """Seconds per call of each step, the steps timed call by call in turns.
+
+        Rows timed one after another see a machine whose speed drifts (on 2 shared
+        cores the same algorithm, timed a row apart, came out 0.5x to 2.8x itself):
+        here every round calls each step once, in an order drawn afresh each round
+        (the same on every rank, which must make the same calls), each call timed
+        alone. A trial is `iters` rounds; per trial the slowest rank's mean per step;
+        the median over trials. Each step has been called once before (warmed up).
+        """
+        _, iters = self._trials(steps)  # how many calls fill a loop
+        shuffle = random.Random(len(steps) * 7919 + iters).shuffle  # alike on every rank
+        order = list(range(len(steps)))
+        spent = [[] for _ in steps]
+        for _ in range(self.trials):
+            totals = [0.0] * len(steps)
+            self.comm.barrier()
+            for _ in range(iters):
+                shuffle(order)
+                for index in order:
+                    started = time.perf_counter()
+                    steps[index]()
+                    totals[index] += time.perf_counter() - started
+            for index, seconds in enumerate(self._slowest_each([t / iters for t in totals])):
+                spent[index].append(seconds)
+        return [sorted(times)[len(times) // 2] for times in spent]
+
     def check_cost(self, nbytes: int) -> List[Dict]:
         """Rows `checked` and `unchecked`: collectives.all_reduce(algorithm="auto") of
         `nbytes` with and without the check, timed in turns."""
@@ -175,31 +212,43 @@ class Runner:
                  lambda: api.all_reduce(zeros, "sum", "auto", self.comm, check=False)]
         for step in steps:
             step()  # warm up
-        _, iters = self._trials(steps)  # how many calls fill a loop
-        # Then call by call in turns, each call timed: a drift of the machine's speed
-        # falls on both alike (timing whole loops in turns still left +-15 % here).
-        spent = [[] for _ in steps]
-        for _ in range(self.trials):
-            totals = [0.0] * len(steps)
-            self.comm.barrier()
-            for call in range(iters):
-                order = range(len(steps)) if call % 2 == 0 else reversed(range(len(steps)))
-                for index in order:  # each goes first every other time
-                    started = time.perf_counter()
-                    steps[index]()
-                    totals[index] += time.perf_counter() - started
-            for index, total in enumerate(totals):
-                spent[index].append(self._slowest(total / iters))
-        seconds = [sorted(times)[len(times) // 2] for times in spent]
+        seconds = self.in_turns(steps)
         return [self.measure_row("all_reduce", name, count, element, value, wrong=0)
                 for name, value in zip(("checked", "unchecked"), seconds)]
 
-    def measure(self, op: str, algorithm: str, nbytes: int) -> Dict:
-        comm, n = self.comm, self.comm.world_size
+    def measure_in_turns(self, op: str, algorithms_: List[str], nbytes: int) -> List[Dict]:
+        """A row per algorithm at `nbytes`, the algorithms timed in turns (in_turns):
+        the way to compare them on a noisy machine. On the emulated cluster, `nic` is
+        from the checked call of each."""
+        count, element = self._count(op, nbytes)
+        steps, wrongs, nics = [], [], []
+        for algorithm in algorithms_:
+            nic_before = links.link_bytes()
+            step, wrong = self._build(op, algorithm, count)  # one checked call
+            if nic_before is not None:
+                nics.append(self._slowest(links.link_bytes()["sent"] - nic_before["sent"]))
+            steps.append(self._finished(step))
+            wrongs.append(wrong)
+            steps[-1]()  # warm up
+        rows = []
+        for index, seconds in enumerate(self.in_turns(steps)):
+            if nics:
+                self.nic_bytes_per_call = nics[index]
+            row = self.measure_row(op, algorithms_[index], count, element, seconds,
+                                   wrongs[index])
+            rows.append(dict(row, in_turns=True))
+        return rows
+
+    def _count(self, op: str, nbytes: int) -> tuple:
+        """(elements, bytes per element) of a buffer of about `nbytes` for `op`."""
         element = torch.tensor([], dtype=self.dtype).element_size()
         count = max(1, nbytes // element)
         if op in ("reduce_scatter", "all_gather"):
-            count = max(n, count - count % n)
+            count = max(self.comm.world_size, count - count % self.comm.world_size)
+        return count, element
+
+    def measure(self, op: str, algorithm: str, nbytes: int) -> Dict:
+        count, element = self._count(op, nbytes)
         step, wrong = self._build(op, algorithm, count)
         seconds = self._time(self._finished(step), f"{op} {algorithm} {count * element} B")
         return self.measure_row(op, algorithm, count, element, seconds, wrong)
@@ -335,6 +384,16 @@ def header(on_cluster: bool) -> str:
     return names + "\n" + units
 
 
+def default_algorithms(comm) -> List[str]:
+    """Every algorithm, the hierarchy only where it has two levels (hosts of several
+    ranks), and the references."""
+    names = ["ring", "halving-doubling", "tree", "naive", "native", "auto", "p2p-ring"]
+    topology = comm.topology
+    if topology is not None and not topology.single_host and not topology.one_rank_per_host:
+        names.insert(4, "hierarchical")
+    return names
+
+
 def run_benchmark(comm, args) -> List[Dict]:
     runner = Runner(comm, DTYPES[args.dtype], args.min_iters, args.seconds_per_row, args.trials)
     if args.torch_api:
@@ -350,18 +409,23 @@ def run_benchmark(comm, args) -> List[Dict]:
     if link is not None:
         say(f"# emulated cluster: {links_text(link)}; nic = MB the busiest host's NIC sent "
             "per call")
-    if "auto" in args.algorithms and "all_reduce" in args.ops and comm.backend != "nccl":
+    if "auto" in (args.algorithms or ["auto"]) and "all_reduce" in args.ops and comm.backend != "nccl":
         source = comm.tuning_source
         if comm.tuning is None:
             source += f"; constants: {algorithms.auto.model_constants_path()}"
         say(f"# auto follows {source}")
     say(header(link is not None))
     for op in args.ops:
-        wanted = [a for a in args.algorithms if a in algorithms.names(op) or
+        wanted = [a for a in args.algorithms or default_algorithms(comm) if a in algorithms.names(op) or
                   (a == "p2p-ring" and op == "all_reduce")]
         if args.torch_api and op == "all_reduce":
             wanted += list(TORCH_API_ROWS)
         for nbytes in args.sizes:
+            if args.in_turns:
+                for row in runner.measure_in_turns(op, wanted, nbytes):
+                    rows.append(row)
+                    say(format_row(row), flush=True)
+                continue
             for algorithm in wanted:
                 row = runner.measure(op, algorithm, nbytes)
                 rows.append(row)
@@ -387,23 +451,45 @@ def run_benchmark(comm, args) -> List[Dict]:
 
 
 def auto_against_the_quickest(comm, rows: List[Dict]) -> List[str]:
-    """Per all-reduce size that has an `auto` row: what auto chose, and how its time
-    compares with the quickest fixed algorithm measured at that size."""
+    """Per all-reduce size measured with fixed algorithms: what auto chooses from each
+    source it has (the tuning table, if one; the cost model always), and how the time of
+    that algorithm's row compares with the quickest fixed algorithm's at that size
+    (`auto`'s own row too, where measured). A verdict needs the rows timed in turns."""
+    from .algorithms import auto as auto_rules
     fixed = set(algorithms.ALL_REDUCE)
+    reduces = [r for r in rows if r["op"] == "all_reduce"]
     lines = []
-    for auto_row in (r for r in rows if r["op"] == "all_reduce" and r["algorithm"] == "auto"):
-        peers = [r for r in rows if r["op"] == "all_reduce" and r["bytes"] == auto_row["bytes"]
-                 and r["algorithm"] in fixed]
-        if not peers:
+    for nbytes in dict.fromkeys(r["bytes"] for r in reduces):
+        at_size = {r["algorithm"]: r for r in reduces if r["bytes"] == nbytes}
+        peers = [r for name, r in at_size.items() if name in fixed]
+        if len(peers) < 2:
             continue
         quickest = min(peers, key=lambda r: r["time_us"])
-        chosen = api._auto("all_reduce", auto_row["bytes"], comm)
-        auto_row.update(auto_chose=chosen, quickest=quickest["algorithm"],
-                        auto_over_quickest=auto_row["time_us"] / quickest["time_us"])
-        lines.append(f"# auto at {auto_row['bytes']:>10} B: {chosen:>16} "
-                     f"{auto_row['time_us']:>11.1f} us; quickest {quickest['algorithm']:>16} "
-                     f"{quickest['time_us']:>11.1f} us; auto / quickest "
-                     f"{auto_row['auto_over_quickest']:.2f}")
+        sources = [("model", auto_rules.all_reduce_choice(
+            nbytes, comm.world_size, comm.name, comm.topology, table=None))]
+        if comm.tuning is not None:
+            sources.insert(0, ("table", comm.tuning.choose(nbytes)))
+        said = []
+        for source, chosen in sources:
+            if chosen == "native" and not comm.native_collectives:
+                chosen = api.WITHOUT_NATIVE["all_reduce"]
+            if chosen not in at_size:
+                said.append(f"{source} {chosen} (not measured)")
+                continue
+            ratio = at_size[chosen]["time_us"] / quickest["time_us"]
+            said.append(f"{source} {chosen} {ratio:.2f}")
+            for row in (at_size.get("auto"), at_size[chosen]):
+                if row is not None:
+                    row.setdefault("auto_over_quickest", {})[source] = ratio
+                    row["quickest"] = quickest["algorithm"]
+        if "auto" in at_size:
+            own = at_size["auto"]["time_us"] / quickest["time_us"]
+            said.append(f"auto's own row {own:.2f}")
+        lines.append(f"# at {nbytes:>10} B quickest {quickest['algorithm']:>16} "
+                     f"{quickest['time_us']:>11.1f} us; chosen / quickest: " + ", ".join(said))
+    if lines and not all(r.get("in_turns") for r in reduces):
+        lines.append("# (rows timed one after another: --in-turns times them call by call "
+                     "in turns, as a verdict needs on a noisy machine)")
     return lines
 
 
@@ -453,10 +539,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ops", type=lambda s: s.split(","), default=["all_reduce"],
                    help="comma list of all_reduce, reduce_scatter, all_gather, broadcast "
                         "(default all_reduce)")
-    p.add_argument("--algorithms", type=lambda s: s.split(","),
-                   default=["ring", "halving-doubling", "tree", "naive", "native", "auto",
-                            "p2p-ring"],
-                   help="comma list; each op runs the ones it has (default: all)")
+    p.add_argument("--algorithms", type=lambda s: s.split(","), default=None,
+                   help="comma list; each op runs the ones it has (default: all, "
+                        "hierarchical where hosts hold several ranks)")
     p.add_argument("--torch-api", action="store_true",
                    help="add all-reduce rows through torch.distributed: api, "
                         "torch:collectives, torch:gloo (gloo backend only)")
@@ -469,6 +554,10 @@ def parser() -> argparse.ArgumentParser:
                    help="aim for about this much timing per row (default 1.0)")
     p.add_argument("--segment-kb", type=int, default=None,
                    help="ring segment size in KiB (default: the library's)")
+    p.add_argument("--in-turns", action="store_true",
+                   help="time the algorithms of each size call by call in turns (in a "
+                        "random order each round) rather than a row after another: "
+                        "to compare them on a noisy machine")
     p.add_argument("--check-cost", action="store_true",
                    help="also time collectives.all_reduce with and without its argument "
                         "check, in turns")
@@ -491,11 +580,13 @@ def validate(p: argparse.ArgumentParser, args) -> None:
         if op not in BUS_FACTOR:
             p.error(f"unknown op {op!r}: choose from {', '.join(BUS_FACTOR)}")
     known = set(algorithms.ALL_REDUCE) | set(algorithms.BROADCAST) | {"auto", "p2p-ring"}
-    for name in args.algorithms:
+    for name in args.algorithms or []:
         if name not in known:
             p.error(f"unknown algorithm {name!r}: choose from {', '.join(sorted(known))}")
     if args.torch_api and args.backend not in ("auto", "gloo"):
         p.error("--torch-api compares with torch's gloo: use --backend gloo")
+    if args.in_turns and args.trace:
+        p.error("--trace times rows one after another: drop --in-turns to trace")
     if args.nproc is not None and args.nproc < 1:
         p.error(f"--nproc must be at least 1, got {args.nproc}")
     if args.min_iters < 1 or args.trials < 1:

@@ -7,8 +7,9 @@
 
 Each all-reduce algorithm (ring, halving-doubling, tree, naive, the backend's own, and
 the hierarchy where hosts hold several ranks) is timed at a ladder of sizes, 4 KiB to
-64 MiB by default, as collectives.bench times them (the slowest rank's mean, the median
-of trials), in about a minute. The quickest at each size becomes a rule, and the rules a
+64 MiB by default, as `collectives.bench --in-turns` times them (call by call in
+turns, so that the machine's drift falls on all alike; the slowest rank's mean, the
+median of trials), in about a minute. The quickest at each size becomes a rule, and the rules a
 table (collectives/algorithms/tuning.py) for this world on this machine: its key is
 the transport, the ranks' placement, the cores and the links' rate. It goes to the
 cache folder (on every host: each host's first rank writes it), or to --out; from then
@@ -51,11 +52,11 @@ def rank_main(args) -> None:
     say(f"{'size(B)':>12} " + " ".join(f"{name:>16}" for name in candidates) + "  quickest")
     times = {name: [] for name in candidates}
     for nbytes in args.sizes:
-        for name in candidates:
-            row = runner.measure("all_reduce", name, nbytes)
+        for row in runner.measure_in_turns("all_reduce", candidates, nbytes):
             if row["wrong"]:
-                raise RuntimeError(f"{name} gave {row['wrong']} wrong values at {nbytes} B")
-            times[name].append(row["time_us"])  # the slowest rank's: alike on every rank
+                raise RuntimeError(f"{row['algorithm']} gave {row['wrong']} wrong values "
+                                   f"at {nbytes} B")
+            times[row["algorithm"]].append(row["time_us"])  # the slowest rank's: alike
         quickest = min(candidates, key=lambda name: times[name][-1])
         say(f"{nbytes:>12} " + " ".join(f"{times[name][-1]:>16.1f}" for name in candidates)
             + f"  {quickest}", flush=True)

@@ -3,13 +3,18 @@
 The choice is a function of (bytes, world size, transport name, topology, table), so a
 topology of several hosts can be written down instead of built.
 """
+import json
 import os
 import subprocess
 import sys
+from datetime import timedelta
 
 import pytest
+import torch
 
 import collectives
+import collectives.transport.local
+from collectives import api
 from collectives.algorithms import auto, tuning
 from collectives.transport.topology import Topology
 from distributed import run_world
@@ -98,17 +103,50 @@ def test_init_finds_the_table_and_the_ranks_agree_on_it(tmp_path, monkeypatch):
     assert run_world(different_tables, 2) == [True, True]
 
 
+def test_auto_remembers_its_choice_but_not_across_tables():
+    comm = collectives.transport.local.LocalTransport(torch.device("cpu"), timedelta(seconds=9))
+    comm.world_size, comm.topology = 4, Topology.one_host(4)
+    for algorithm in ("naive", "ring", "naive"):
+        comm.tuning = tuning.Table(a_key(), ((None, algorithm),))
+        assert api._auto("all_reduce", 64 * KiB, comm) == algorithm
+    comm.tuning = None
+    assert api._auto("all_reduce", 64 * KiB, comm) == auto.all_reduce_choice(
+        64 * KiB, 4, comm.name, comm.topology)
+
+
+def python_m(module: str, *args: str, env=None) -> subprocess.CompletedProcess:
+    """`python -m module args` as a user starts it (no launcher's variables)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
+                            text=True, env=env, timeout=200)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
 @pytest.mark.timeout(240)
 def test_tune_writes_a_table_init_then_follows(tmp_path):
     out = tmp_path / "table.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", XDG_CACHE_HOME=str(tmp_path))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    result = subprocess.run([sys.executable, "-m", "collectives.tune", "--nproc", "2",
-                             "--sizes", "4K,64K", "--seconds-per-row", "0.05", "--trials", "1",
-                             "--out", str(out)], capture_output=True, text=True, env=env,
-                            timeout=200)
-    assert result.returncode == 0, result.stderr
+    result = python_m("collectives.tune", "--nproc", "2", "--sizes", "4K,64K",
+                      "--seconds-per-row", "0.05", "--trials", "1", "--out", str(out),
+                      env={"XDG_CACHE_HOME": str(tmp_path)})
     table = tuning.Table.load(str(out))
     assert table.key == tuning.key_for("gloo+shm", 2, None) | {"ranks_per_host": 2}
     assert table.rules[-1][0] is None and "# rules:" in result.stdout
+    # bench, timing the algorithms in turns, says what each source of auto's choice
+    # would run at each size and how it compares with the quickest
+    rows = tmp_path / "rows.jsonl"
+    result = python_m("collectives.bench", "--nproc", "2", "--sizes", "4K,64K", "--in-turns",
+                      "--algorithms", "ring,halving-doubling,tree,naive,native,auto", "--seconds-per-row", "0.05",
+                      "--trials", "1", "--no-handshake", "--json", str(rows),
+                      env={"COLLECTIVES_TUNING": str(out)})
+    assert f"# auto follows the table {out}" in result.stdout
+    autos = [row for row in map(json.loads, rows.read_text().splitlines())
+             if row["algorithm"] == "auto"]
+    assert [row["bytes"] for row in autos] == [4 * KiB, 64 * KiB]
+    for row in autos:
+        assert row["in_turns"] and set(row["auto_over_quickest"]) == {"table", "model"}
+        assert min(row["auto_over_quickest"].values()) >= 1.0
+        chosen = table.choose(row["bytes"])
+        assert f"table {chosen} " in result.stdout
