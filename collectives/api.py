@@ -250,14 +250,18 @@ def _auto(collective: str, nbytes: int, comm: Transport) -> str:
     remembered on `comm` for its transport, placement and table: working it out again
     at every call (a few microseconds of Python) made auto 10-15 % slower than the
     algorithm it chose at 64 KiB on 2 shared cores."""
-    key = (collective, nbytes, comm.name, id(comm.topology), id(comm.tuning))
-    chosen = comm.auto_choices.get(key)
+    basis = comm.auto_choices_for  # what the remembered choices were made for
+    if not (basis and basis[0] == comm.name and basis[1] is comm.topology
+            and basis[2] is comm.tuning):  # the objects themselves: they are held here
+        comm.auto_choices = {}
+        comm.auto_choices_for = (comm.name, comm.topology, comm.tuning)
+    chosen = comm.auto_choices.get((collective, nbytes))
     if chosen is None:
         chosen = algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
                                                     comm.topology, table=comm.tuning)
         if chosen == "native" and not comm.native_collectives:
             chosen = WITHOUT_NATIVE[collective]
-        comm.auto_choices[key] = chosen
+        comm.auto_choices[(collective, nbytes)] = chosen
     return chosen
 
 

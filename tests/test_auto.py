@@ -112,6 +112,10 @@ def test_auto_remembers_its_choice_but_not_across_tables():
     comm.tuning = None
     assert api._auto("all_reduce", 64 * KiB, comm) == auto.all_reduce_choice(
         64 * KiB, 4, comm.name, comm.topology)
+    one_host = api._auto("all_reduce", 64 * MiB, comm)
+    comm.topology = Topology((0, 0, 1, 1))  # the placement init finds replaces the first
+    two_hosts = auto.all_reduce_choice(64 * MiB, 4, comm.name, comm.topology)
+    assert two_hosts != one_host and api._auto("all_reduce", 64 * MiB, comm) == two_hosts
 
 
 def python_m(module: str, *args: str, env=None) -> subprocess.CompletedProcess:

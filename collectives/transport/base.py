@@ -252,8 +252,10 @@ class Transport:
         # every rank is taken to be on this one.
         self.topology = Topology.one_host(world_size)
         self._workspace: Dict[tuple, torch.Tensor] = {}  # see workspace()
-        # auto's choices so far, by collective, size and what decides (api._auto).
+        # auto's choices so far by (collective, size), and the (transport name,
+        # topology, tuning table) they were made for (api._auto).
         self.auto_choices: Dict[tuple, str] = {}
+        self.auto_choices_for: tuple = ()
 
     # --- point to point: subclasses implement _isend/_irecv ---------------------------
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
