@@ -257,11 +257,18 @@ def _auto(collective: str, nbytes: int, comm: Transport) -> str:
         comm.auto_choices_for = (comm.name, comm.topology, comm.tuning)
     chosen = comm.auto_choices.get((collective, nbytes))
     if chosen is None:
-        chosen = algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
-                                                    comm.topology, table=comm.tuning)
-        if chosen == "native" and not comm.native_collectives:
-            chosen = WITHOUT_NATIVE[collective]
+        chosen = auto_choice(collective, nbytes, comm, comm.tuning)
         comm.auto_choices[(collective, nbytes)] = chosen
+    return chosen
+
+
+def auto_choice(collective: str, nbytes: int, comm: Transport, table) -> str:
+    """What auto runs for `collective` of `nbytes` on `comm` following `table` (a
+    tuning.Table; None: the cost model), worked out afresh."""
+    chosen = algorithms.AUTO_CHOICE[collective](nbytes, comm.world_size, comm.name,
+                                                comm.topology, table=table)
+    if chosen == "native" and not comm.native_collectives:
+        return WITHOUT_NATIVE[collective]
     return chosen
 
 

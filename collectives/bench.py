@@ -56,6 +56,7 @@ from typing import Dict, List
 import torch
 
 from . import algorithms, api, trace
+from .algorithms import tuning
 from .launch import links
 from .launch import add_local_rank_argument
 
@@ -107,9 +108,13 @@ class Runner:
         self.torch_groups = {}  # --torch-api: row name -> torch.distributed group
 
     def _slowest(self, seconds: float) -> float:
-        value = torch.tensor([seconds], dtype=torch.float64)
-        self.comm.native_all_reduce(value, "max")
-        return value.item()
+        return self._slowest_each([seconds])[0]
+
+    def _slowest_each(self, values: List[float]) -> List[float]:
+        """Each value's largest over the ranks (one small all-reduce)."""
+        tensor = torch.tensor(values, dtype=torch.float64)
+        self.comm.native_all_reduce(tensor, "max")
+        return tensor.tolist()
 
     def _trace(self, step, label: str) -> None:
         """With --trace: a few extra calls, each a "step" span named by the row, recorded
@@ -170,11 +175,6 @@ class Runner:
                 times.append(self._slowest((time.perf_counter() - started) / iters))
         return [sorted(times)[len(times) // 2] for times in means], iters
 
-    def _slowest_each(self, values: List[float]) -> List[float]:
-        tensor = torch.tensor(values, dtype=torch.float64)
-        self.comm.native_all_reduce(tensor, "max")
-        return tensor.tolist()
-
     def in_turns(self, steps) -> List[float]:
         """Seconds per call of each step, the steps timed call by call in turns.
 
@@ -213,8 +213,8 @@ class Runner:
         for step in steps:
             step()  # warm up
         seconds = self.in_turns(steps)
-        return [self.measure_row("all_reduce", name, count, element, value, wrong=0)
-                for name, value in zip(("checked", "unchecked"), seconds)]
+        return [dict(self.measure_row("all_reduce", name, count, element, value, wrong=0),
+                     in_turns=True) for name, value in zip(("checked", "unchecked"), seconds)]
 
     def measure_in_turns(self, op: str, algorithms_: List[str], nbytes: int) -> List[Dict]:
         """A row per algorithm at `nbytes`, the algorithms timed in turns (in_turns):
@@ -385,13 +385,9 @@ def header(on_cluster: bool) -> str:
 
 
 def default_algorithms(comm) -> List[str]:
-    """Every algorithm, the hierarchy only where it has two levels (hosts of several
-    ranks), and the references."""
-    names = ["ring", "halving-doubling", "tree", "naive", "native", "auto", "p2p-ring"]
-    topology = comm.topology
-    if topology is not None and not topology.single_host and not topology.one_rank_per_host:
-        names.insert(4, "hierarchical")
-    return names
+    """What tune times here (the hierarchy only where it has two levels), auto, and
+    the ring's message schedule as a reference."""
+    return tuning.candidates(comm.topology) + ["auto", "p2p-ring"]
 
 
 def run_benchmark(comm, args) -> List[Dict]:
@@ -402,6 +398,7 @@ def run_benchmark(comm, args) -> List[Dict]:
         runner.trace_calls = args.trace_steps
         trace.start(comm, args.trace, level=args.trace_level, recording=False)
     rows = []
+    measured = args.algorithms or default_algorithms(comm)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
     say(f"# collectives.bench: {comm.name}, {comm.world_size} ranks, "
         f"dtype {args.dtype}, ring segment {comm.segment_bytes // 1024} KiB")
@@ -409,14 +406,14 @@ def run_benchmark(comm, args) -> List[Dict]:
     if link is not None:
         say(f"# emulated cluster: {links_text(link)}; nic = MB the busiest host's NIC sent "
             "per call")
-    if "auto" in (args.algorithms or ["auto"]) and "all_reduce" in args.ops and comm.backend != "nccl":
+    if "auto" in measured and "all_reduce" in args.ops and comm.backend != "nccl":
         source = comm.tuning_source
         if comm.tuning is None:
             source += f"; constants: {algorithms.auto.model_constants_path()}"
         say(f"# auto follows {source}")
     say(header(link is not None))
     for op in args.ops:
-        wanted = [a for a in args.algorithms or default_algorithms(comm) if a in algorithms.names(op) or
+        wanted = [a for a in measured if a in algorithms.names(op) or
                   (a == "p2p-ring" and op == "all_reduce")]
         if args.torch_api and op == "all_reduce":
             wanted += list(TORCH_API_ROWS)
@@ -455,7 +452,6 @@ def auto_against_the_quickest(comm, rows: List[Dict]) -> List[str]:
     source it has (the tuning table, if one; the cost model always), and how the time of
     that algorithm's row compares with the quickest fixed algorithm's at that size
     (`auto`'s own row too, where measured). A verdict needs the rows timed in turns."""
-    from .algorithms import auto as auto_rules
     fixed = set(algorithms.ALL_REDUCE)
     reduces = [r for r in rows if r["op"] == "all_reduce"]
     lines = []
@@ -465,14 +461,10 @@ def auto_against_the_quickest(comm, rows: List[Dict]) -> List[str]:
         if len(peers) < 2:
             continue
         quickest = min(peers, key=lambda r: r["time_us"])
-        sources = [("model", auto_rules.all_reduce_choice(
-            nbytes, comm.world_size, comm.name, comm.topology, table=None))]
-        if comm.tuning is not None:
-            sources.insert(0, ("table", comm.tuning.choose(nbytes)))
+        sources = [("table", comm.tuning)] if comm.tuning is not None else []
         said = []
-        for source, chosen in sources:
-            if chosen == "native" and not comm.native_collectives:
-                chosen = api.WITHOUT_NATIVE["all_reduce"]
+        for source, table in sources + [("model", None)]:
+            chosen = api.auto_choice("all_reduce", nbytes, comm, table)
             if chosen not in at_size:
                 said.append(f"{source} {chosen} (not measured)")
                 continue

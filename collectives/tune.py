@@ -40,9 +40,7 @@ def rank_main(args) -> None:
         say("collectives.tune: nccl keeps NCCL's own tuning; nothing to measure")
         collectives.destroy()
         return
-    candidates = list(tuning.CANDIDATES)
-    if not comm.topology.single_host and not comm.topology.one_rank_per_host:
-        candidates.append("hierarchical")
+    candidates = tuning.candidates(comm.topology)
     key = tuning.key_for(comm.name, comm.world_size, comm.topology)
     say(f"# collectives.tune: {comm.name}, {comm.world_size} ranks on {key['hosts']} "
         f"host(s), {key['cores']} cores" + (f", links of {key['link_bits'] / 1e6:g} Mbit/s"

@@ -103,6 +103,12 @@ def test_init_finds_the_table_and_the_ranks_agree_on_it(tmp_path, monkeypatch):
     assert run_world(different_tables, 2) == [True, True]
 
 
+def test_the_hierarchy_is_a_candidate_only_where_it_has_two_levels():
+    assert "hierarchical" in tuning.candidates(Topology((0, 0, 1, 1)))
+    for one_level in (None, Topology.one_host(4), Topology((0, 1, 2, 3))):
+        assert tuning.candidates(one_level) == list(tuning.CANDIDATES)
+
+
 def test_auto_remembers_its_choice_but_not_across_tables():
     comm = collectives.transport.local.LocalTransport(torch.device("cpu"), timedelta(seconds=9))
     comm.world_size, comm.topology = 4, Topology.one_host(4)

@@ -48,6 +48,14 @@ VERSION = 1
 CANDIDATES = ("ring", "halving-doubling", "tree", "naive", "native")
 
 
+def candidates(topology: Optional[Topology]) -> List[str]:
+    """The all-reduce algorithms worth timing for ranks placed as `topology` says:
+    CANDIDATES, and the hierarchy where it has two levels (hosts of several ranks)."""
+    two_levels = (topology is not None and not topology.single_host
+                  and not topology.one_rank_per_host)
+    return list(CANDIDATES) + (["hierarchical"] if two_levels else [])
+
+
 def key_for(transport: str, world_size: int, topology: Optional[Topology]) -> Dict:
     """What decides a table's rules, for this world on this machine."""
     hosts = topology.hosts if topology is not None else [list(range(world_size))]
