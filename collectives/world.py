@@ -392,9 +392,12 @@ def get_comm() -> Transport:
 
 
 def set_comm(comm: Optional[Transport]) -> None:
-    """Make `comm` the default communicator (None forgets it)."""
+    """Make `comm` the default communicator (None forgets it); it is closed at exit as
+    init()'s is."""
     global _default
     _default = comm
+    if comm is not None:
+        _install_exit_hooks()
 
 
 def destroy() -> None:

@@ -87,8 +87,8 @@ def test_a_member_back_from_silence_is_taken_in_before_its_heartbeat_resumes(sto
     alive and in the next generation."""
     group = members(store, ["a", "b", "c"], dead_after=2.0)
     join_all(group, expected=3)
-    group[2]._stop.set()  # c's heartbeat thread stops (c itself goes on)
-    group[2]._heart.join()
+    group[2]._heart.stop()  # c's heartbeat thread stops (c itself goes on)
+    group[2]._heart.join(10)
     time.sleep(3.0)  # silent for longer than dead_after, as the others see it
     views = {}
     # expected=3: the generation waits for all three to register (up to its timeout),

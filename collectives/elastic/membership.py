@@ -50,9 +50,11 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch.distributed as dist
+
+from ..launch.exit import stop_at_exit
 
 
 class MembershipError(RuntimeError):
@@ -61,6 +63,31 @@ class MembershipError(RuntimeError):
 
 class JobFinished(MembershipError):
     """The job was marked finished (Membership.finish): there is nothing to join."""
+
+
+class Heartbeat:
+    """A thread that calls `beat()` every `every` seconds until stop(). It is stopped at
+    exit too (launch/exit.py): the interpreter's shutdown would end it inside a store
+    call, and that aborts the process."""
+
+    def __init__(self, beat: Callable[[], None], every: float):
+        self.beat, self.every = beat, every
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="membership heartbeat",
+                                       daemon=True)
+        self.thread.start()
+        stop_at_exit(self)
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            self.beat()
+            self.stopping.wait(self.every)
+
+    def stop(self) -> None:
+        self.stopping.set()
+
+    def join(self, seconds: float) -> None:
+        self.thread.join(seconds)
 
 
 @dataclass(frozen=True)
@@ -112,10 +139,8 @@ class Membership:
         # thread for the generation's members, and by whoever waits for a list
         self._seen: Dict[str, Tuple[int, float]] = {}
         self._seen_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._heart = threading.Thread(target=self._beat, name="membership heartbeat",
-                                       daemon=True)
-        self._heart.start()
+        self._heart_store: Optional[dist.TCPStore] = None  # the heartbeat's own connection
+        self._heart = Heartbeat(self._beat, self.beat)
 
     # --- the store --------------------------------------------------------------------
 
@@ -163,22 +188,20 @@ class Membership:
             self.store = store
 
     def _beat(self) -> None:
-        """The heartbeat thread, on a connection of its own (a client is one socket).
-        It beats until leave(), connecting again whenever the store cannot be reached."""
-        store = None
-        while not self._stop.is_set():
-            try:
-                store = store or self._connect()
-                store.add(f"beat/{self.me}", 1)
-                others = [m for m in (self.view.members if self.view else ()) if m != self.me]
-                if others:  # watched all along (the module docstring), in one round trip
-                    counters = store.multi_get([f"beat/{m}" for m in others])
-                    seen_at = time.monotonic()
-                    for member, counter in zip(others, counters):
-                        self._moved(member, int(counter), seen_at)
-            except (RuntimeError, MembershipError):
-                store = None  # unreachable for now; the others may take us for dead
-            self._stop.wait(self.beat)
+        """One beat, on the heartbeat thread's connection (a client is one socket): add 1
+        to our counter and read the others'. A store that cannot be reached is
+        connected again at the next beat."""
+        try:
+            self._heart_store = store = self._heart_store or self._connect()
+            store.add(f"beat/{self.me}", 1)
+            others = [m for m in (self.view.members if self.view else ()) if m != self.me]
+            if others:  # watched all along (the module docstring), in one round trip
+                counters = store.multi_get([f"beat/{m}" for m in others])
+                seen_at = time.monotonic()
+                for member, counter in zip(others, counters):
+                    self._moved(member, int(counter), seen_at)
+        except (RuntimeError, MembershipError):
+            self._heart_store = None  # unreachable for now; the others may take us for dead
 
     def _moved(self, member: str, counter: int, now: float) -> bool:
         """Note `member`'s beat counter as read at `now`; True if it moved since the
@@ -261,8 +284,9 @@ class Membership:
 
     def leave(self) -> None:
         """Stop the heartbeat: the others will take us for dead after dead_after."""
-        self._stop.set()
-        self._heart.join(timeout=self.beat + 5.0)
+        self._heart.stop()
+        self._heart.join(self.beat + 5.0)
+
 
     def _register(self, generation: int) -> None:
         """Take a slot and write our id in it. A failed try is made again (for up to

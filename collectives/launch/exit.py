@@ -4,9 +4,9 @@ ends an MPI job at once.
 A script need not call `collectives.destroy()`. At exit, `install_exit_hooks` has the
 interpreter:
 
-1. stop every background communication thread that registered (`stop_at_exit`: the
-   bucketer's, async strategies'), giving them a few seconds to finish the round they
-   are in with peers that are exiting too;
+1. stop every background thread that registered (`stop_at_exit`: the bucketer's,
+   async strategies', an elastic member's heartbeat), giving them a few seconds to
+   finish the round they are in with peers that are exiting too;
 2. close the default communicator, unless one of those threads is still inside a
    collective (a stalled peer, a slow link): closing would free what it is using (with
    shared memory, unmap the segments it reads: a SIGSEGV instead of the script's exit
@@ -36,28 +36,43 @@ ABORT_GRACE_SECONDS = 0.5  # before MPI_Abort, time for the traceback to reach m
 PEER_GRACE_SECONDS = 1.0  # a rank failing because a peer did lets that peer end first
 
 _background = weakref.WeakSet()  # threads of ours to stop before the communicator closes
-_installed = False
+_background_deadline = None  # set by the first stop at exit: the grace is given once
+_installed = False  # the exit hooks (install_exit_hooks)
+_stopping_installed = False  # the stop of the background threads alone (stop_at_exit)
 
 
 def stop_at_exit(worker) -> None:
-    """Have `worker` (with stop(), join(seconds) and its `thread`) stopped before the
-    exit closes the communicator. Background communication threads register here."""
+    """Have `worker` (with stop(), join(seconds) and its `thread`) stopped at exit, before
+    the communicator closes. Background threads register here: communication threads
+    (the bucketer's, async strategies'), and those that talk to a store.
+
+    Python's shutdown ends a daemon thread that is still inside a C++ call (a store's,
+    gloo's) by unwinding it from under that call, and the C++ runtime aborts the process
+    ("terminate called without an active exception"): stopped here first, such threads
+    are back in Python by then."""
+    global _stopping_installed
     _background.add(worker)
+    if not _stopping_installed:  # also where no communicator is closed at exit
+        atexit.register(_stop_background, EXIT_GRACE_SECONDS)
+        _stopping_installed = True
 
 
 def _stop_background(seconds: float) -> bool:
-    """Stop every registered worker, give them `seconds` in all to finish, and say
-    whether any is still running.
+    """Stop every registered worker, give them `seconds` in all to finish (counted from
+    the first call: the exit waits this long once), and say whether any is still
+    running.
 
     A job still running after that talks to a peer that has not come; it is left to its
     daemon thread (its own timeout ends it), since exiting must not wait on a peer.
     """
+    global _background_deadline
+    if _background_deadline is None:
+        _background_deadline = time.monotonic() + seconds
     workers = list(_background)
     for worker in workers:
         worker.stop()
-    deadline = time.monotonic() + seconds
     for worker in workers:
-        worker.join(max(0.0, deadline - time.monotonic()))
+        worker.join(max(0.0, _background_deadline - time.monotonic()))
     return any(worker.thread.is_alive() for worker in workers)
 
 
