@@ -24,7 +24,8 @@ bucketer does what DDP's Reducer does:
    does, instead of a pass over the bucket of its own.
 
 3. Finish. `finish()` waits for every bucket and writes the reduced values back into
-   `param.grad`. DDP mode calls it automatically when backward ends (an autograd engine
+   `param.grad` (buckets reduced by priority, priority.py: it hands the step over, and
+   the next forward takes each layer's gradients as they land, step_in_forward.py). DDP mode calls it automatically when backward ends (an autograd engine
    callback); the Horovod face calls it from optimizer.step().
 
 Each synced step leaves a profile (`profile()`): when every gradient became ready, how
@@ -68,13 +69,14 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Collection, Dict, List, Optional, Sequence
 
 import torch
 
 from . import trace
 from .bucket_sizes import StepProfile
 from .launch.exit import stop_at_exit
+from .priority import PriorityReducer
 from .transport import Transport
 
 MiB = 1 << 20
@@ -134,6 +136,7 @@ class CommWorker:
         self.jobs: "queue.Queue" = queue.Queue()
         self.error: Optional[BaseException] = None
         self.busy_seconds = 0.0  # time spent communicating, for reports
+        self.on_stop: Optional[Callable[[], None]] = None
         # The GPU this thread works on, for NCCL and CUDA's memory (a new thread starts on
         # GPU 0): `device`'s (the communicator's), else the creating thread's current one.
         if device is not None and device.type == "cuda":
@@ -188,7 +191,10 @@ class CommWorker:
             raise self.error
 
     def stop(self) -> None:
-        """Finish the jobs already submitted, then end the thread."""
+        """Finish the jobs already submitted, then end the thread. A job that waits for
+        what will not come (the training thread's launches, at exit) is told by on_stop."""
+        if self.on_stop is not None:
+            self.on_stop()
         self.jobs.put((None, None, None, None, None))
 
     def join(self, seconds: float) -> None:
@@ -206,9 +212,17 @@ class Bucketer:
                  passes_per_sync: int = 1, sparse_as_dense: bool = False,
                  sparse_reduce: Optional[Callable[[torch.Tensor, torch.Tensor],
                                                   Callable[[], torch.Tensor]]] = None,
-                 divisor: Optional[Callable[[], Optional[int]]] = None):
+                 divisor: Optional[Callable[[], Optional[int]]] = None,
+                 priority_chunk_bytes: Optional[int] = None,
+                 before_buckets: Optional[Callable[[], None]] = None):
         if unused not in UNUSED_MODES:
             raise ValueError(f"unused={unused!r}: choose from {', '.join(UNUSED_MODES)}")
+        if priority_chunk_bytes and (unused == "detect" or sparse_reduce is not None
+                                     or gradient_as_bucket_view):
+            raise ValueError("buckets reduced by priority (overlap=\"forward\") are still "
+                             "being reduced after backward, in no other job of the step: "
+                             "find_unused_parameters, a sparse reduction and "
+                             "gradient_as_bucket_view are not supported with it")
         trainable = [p for p in reversed(list(params)) if p.requires_grad]
         self.comm = comm
         self.reduce_bucket = reduce_bucket
@@ -256,6 +270,14 @@ class Bucketer:
         self.passes_per_sync = passes_per_sync
         self._arrivals = {id(p): 0 for b in self.buckets for p in b.params}
         self.worker = CommWorker(comm.device)
+        # Reduced by priority, in chunks (priority.py): finish() then hands the step over
+        # instead of waiting, and take() / complete() end it (step_in_forward.py).
+        self.priority = None
+        if priority_chunk_bytes:
+            self.priority = PriorityReducer([b.buffer for b in self.buckets], reduce_bucket,
+                                            comm, priority_chunk_bytes, before_buckets)
+            self.worker.on_stop = self.priority.close
+        self.handed_off = False  # finish() returned with the step's reductions in flight
         self.synced_steps = 0  # steps whose reduction completed
         self._ready_ns: Dict[int, int] = {}  # id(param) -> when it went in its bucket
         self._reduce_seconds = [0.0] * len(self.buckets)
@@ -333,14 +355,32 @@ class Bucketer:
         return self._step_divisor
 
     def _launch_ready_buckets(self) -> None:
-        """Launch buckets in index order, as far as they are complete."""
+        """Launch buckets in index order, as far as they are complete: each a job of the
+        comm thread, or (by priority) one job for the step that learns of each launch."""
+        launched = self._next_to_launch
         while (self._next_to_launch < len(self.buckets)
                and all(self.buckets[self._next_to_launch].ready)):
-            buffer = self.buckets[self._next_to_launch].buffer
-            self._pending.append(self.worker.submit(
-                lambda b=buffer, i=self._next_to_launch: self._reduce_timed(i, b),
-                f"bucket {self._next_to_launch}", bytes=buffer.numel() * buffer.element_size()))
+            if self.priority is None:
+                buffer = self.buckets[self._next_to_launch].buffer
+                self._pending.append(self.worker.submit(
+                    lambda b=buffer, i=self._next_to_launch: self._reduce_timed(i, b),
+                    f"bucket {self._next_to_launch}",
+                    bytes=buffer.numel() * buffer.element_size()))
             self._next_to_launch += 1
+        if self.priority is not None and self._next_to_launch > launched:
+            if self.worker.error is not None:  # it runs no more jobs: say why, not hang
+                raise self.worker.error
+            if launched == 0:  # the step's first launch
+                self._pending.append(self.worker.submit(self._reduce_by_priority,
+                                                        "buckets by priority"))
+            self.priority.launched(self._next_to_launch)
+
+    def _reduce_by_priority(self) -> None:
+        self.priority.run_step()
+        self._reduce_seconds = list(self.priority.seconds)
+        self._reduce_cpu = list(self.priority.cpu)
+        # the job waits for backward's launches too: that is not communicating
+        self.worker.busy_seconds -= self.priority.idle_seconds
 
     def _reduce_timed(self, index: int, buffer: torch.Tensor) -> None:
         started, cpu = time.perf_counter(), time.thread_time()
@@ -351,6 +391,8 @@ class Bucketer:
     # --- after backward ----------------------------------------------------------------
     def finish(self, always: bool = False) -> None:
         """Wait for every bucket's reduction and write the results into param.grad.
+        Reduced by priority, it launches what is left and hands the step over
+        (`handed_off`) instead: take() and complete() end it.
 
         always: take part even if no gradient arrived since the last step (the Horovod
         face's step(): a rank whose loss touched none of these parameters still owes
@@ -372,6 +414,34 @@ class Bucketer:
             self._launch_ready_buckets()
         if used_map is not None:
             self._launch_used_map(used_map)
+        if self.priority is not None and not (missing and self.unused == "error"):
+            self.handed_off = True  # the step goes on in take() and complete()
+            return
+        self._complete(missing, used_map)
+
+    def take(self, params: Sequence[torch.nn.Parameter]) -> List[torch.Tensor]:
+        """A handed-off step: wait until these parameters' gradients are reduced (and the
+        step's before_buckets job has run; take([]) waits for that alone). Returns the
+        reduced gradients, views into the buckets that stay valid until complete()."""
+        self.priority.wait_before()
+        reduced = []
+        for param in params:
+            index, position = self.where[id(param)]
+            bucket = self.buckets[index]
+            self.priority.wait_reduced(index, bucket.offsets[position])
+            reduced.append(bucket.slot(position))
+        return reduced
+
+    def complete(self, skip: Collection[int] = ()) -> None:
+        """End a handed-off step: wait for every bucket, write the reduced gradient of
+        each parameter not in `skip` (ids) to .grad as finish() does, and start the next
+        step afresh."""
+        self.handed_off = False
+        self._complete([], None, skip)
+
+    def _complete(self, missing: List[torch.nn.Parameter], used_map: Optional[torch.Tensor],
+                  skip: Collection[int] = ()) -> None:
+        """The end of finish(): wait for the step's jobs, then write the results."""
         try:
             self._wait_for_all()
         finally:  # the sparse reductions end too, whatever happened to the buckets
@@ -393,8 +463,8 @@ class Bucketer:
             globally_unused = {id(p) for p, u in zip(flat, used_map.tolist()) if not u}
         for bucket in self.buckets:
             for position, param in enumerate(bucket.params):
-                if id(param) in globally_unused:
-                    continue  # no rank used it: leave .grad as it was, as DDP does
+                if id(param) in globally_unused or id(param) in skip:
+                    continue  # no rank used it (.grad as it was, as DDP), or stepped
                 if id(param) in reduced_sparse:
                     param.grad = reduced_sparse[id(param)]
                     continue
@@ -466,7 +536,8 @@ class Bucketer:
 
     @property
     def in_flight(self) -> bool:
-        """True between the first gradient of a step and finish()."""
+        """True between the first gradient of a step and the end of its reduction
+        (finish(), or complete() for a step handed over)."""
         return self._step_started
 
     def _reset(self) -> None:
@@ -475,6 +546,8 @@ class Bucketer:
         self._pending = []
         self._next_to_launch = 0
         self._step_started = False
+        if self.priority is not None:
+            self.priority.start_step()
         self._step_divisor = _UNASKED
         for bucket in self.buckets:
             bucket.ready = [False] * len(bucket.params)
@@ -487,6 +560,8 @@ class Bucketer:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
+        if self.priority is not None:
+            self.priority.close()
         self.worker.stop()
 
 

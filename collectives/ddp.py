@@ -12,10 +12,14 @@ What happens underneath, in order:
    and dtypes (a clear error if not), then rank 0's parameters and buffers are
    broadcast so every replica starts identical.
 2. Each forward: buffers (BatchNorm statistics) are broadcast from rank 0 first, as
-   DDP's broadcast_buffers=True.
+   DDP's broadcast_buffers=True. (With overlap="forward" the communication thread sends
+   them during backward, and the first forward after the step takes them.)
 3. Each backward: the bucketer (bucketer.py) hands each complete bucket to the sync
    strategy (by default `allreduce`, see sync/allreduce.py) on a comm thread; when
-   backward returns, every .grad holds the average over ranks.
+   backward returns, every .grad holds the average over ranks. (With allreduce's
+   overlap="forward", backward returns at once and the optimizer from
+   `step_in_forward(optimizer)` steps each layer inside the next forward as its
+   gradients land: step_in_forward.py.)
 4. `no_sync()`: gradients accumulate locally; the next backward outside it reduces
    the accumulated sum, as torch's. With find_unused_parameters=True a parameter used
    in any of those passes, on any rank, is averaged (a rank that has no gradient for
@@ -44,6 +48,7 @@ from .api import broadcast_coalesced, gather_rows
 from .world import adopt_torch_group, get_comm
 from .bucket_sizes import choose as choose_bucket_sizes
 from .bucketer import Bucketer
+from .step_in_forward import StepInForward
 from .launch.links import emulated
 from .sync import SyncStrategy, create
 from .transport import Transport
@@ -175,6 +180,17 @@ class DistributedDataParallel(nn.Module):
             gradient_as_bucket_view=gradient_as_bucket_view,
             unused="detect" if (find_unused_parameters or static_graph) else "error",
             names={id(p): name for name, p in module.named_parameters()})
+        # overlap="forward": buckets reduced by priority, the optimizer stepped inside the
+        # next forward (step_in_forward.py); the buffers go first on the comm thread
+        self.stepper: Optional[StepInForward] = None
+        self._staged_buffers: List[torch.Tensor] = []
+        if self.sync.overlap == "forward":
+            if find_unused_parameters or static_graph or auto:
+                raise ValueError(f"sync {self.sync.name!r} with overlap=\"forward\": "
+                                 "find_unused_parameters, static_graph and bucket_cap_mb="
+                                 "\"auto\" are not supported with it")
+            self._bucketer_options.update(priority_chunk_bytes=self.sync.chunk_bytes,
+                                          before_buckets=self._buffers_before_buckets())
         if self.sync.uses_buckets:
             self._make_bucketer(float(cap), float(first_bucket_mb))
         # Re-cut only where one dtype's buckets can be replayed and the strategy keeps
@@ -185,7 +201,8 @@ class DistributedDataParallel(nn.Module):
                                        if p.requires_grad}) == 1)
 
     def _make_bucketer(self, cap_mb: float, first_mb: float) -> None:
-        self.bucketer = Bucketer(self.module.parameters(), self.sync.reduce_bucket, self.comm,
+        self.bucketer = Bucketer(self.module.parameters(), self.sync.reduce_bucket,
+                                 self.sync.channel or self.comm,
                                  bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
                                  divisor=self.sync.gradient_divisor, **self._bucketer_options)
         try:
@@ -218,7 +235,49 @@ class DistributedDataParallel(nn.Module):
             for bucket in self.bucketer.buckets:
                 bucket.used = [id(p) in used for p in bucket.params]
 
+    def step_in_forward(self, optimizer: torch.optim.Optimizer, **options) -> StepInForward:
+        """overlap="forward": the optimizer to call step() on, taken inside the next
+        forward layer by layer (step_in_forward.py; `options` go to StepInForward)."""
+        if self.sync.overlap != "forward" or self.bucketer is None:
+            raise ValueError("step_in_forward: only with a sync strategy that has "
+                             "overlap=\"forward\" (e.g. allreduce)")
+        if self.stepper is not None:
+            raise RuntimeError("step_in_forward: this model has its optimizer already")
+        self.stepper = StepInForward(self, optimizer, **options)
+        return self.stepper
+
+    def _buffers_before_buckets(self):
+        """overlap="forward": rank 0's buffers, broadcast as each step's first job on the
+        comm thread, into copies (`_staged_buffers`): backward leaves the buffers as
+        the forward made them, the values DDP broadcasts before the next forward, but
+        still holds them (BatchNorm's backward checks they did not change). The next
+        forward copies them in (_take_buffers). None when there is nothing to send."""
+        buffers = list(self.module.buffers())
+        if not (self.broadcast_buffers and self.sync.forward_buffer_sync and buffers):
+            return None
+        self._staged_buffers = [buffer.clone() for buffer in buffers]
+
+        def broadcast() -> None:
+            for staged, buffer in zip(self._staged_buffers, buffers):
+                staged.copy_(buffer)
+            broadcast_coalesced(self._staged_buffers, src=0, comm=self.sync.channel or self.comm)
+        return broadcast
+
+    def _take_buffers(self) -> None:
+        """overlap="forward", a forward after a handed-off step: rank 0's buffers, as
+        the step's first job received them."""
+        if self._staged_buffers and self.bucketer.handed_off:
+            with self.stepper.waiting():
+                self.bucketer.take([])
+            with torch.no_grad():
+                for staged, buffer in zip(self._staged_buffers, self.module.buffers()):
+                    buffer.copy_(staged)
+
     def forward(self, *inputs, **kwargs):
+        if self.sync.overlap == "forward" and self.stepper is None and torch.is_grad_enabled():
+            raise RuntimeError("overlap=\"forward\" takes the optimizer step inside the next "
+                               "forward: wrap the optimizer first, optimizer = "
+                               "model.step_in_forward(optimizer)")
         if (self._auto_buckets and self._join is None and torch.is_grad_enabled()
                 and self.bucketer.synced_steps >= AUTO_BUCKET_STEPS
                 and not self.bucketer.in_flight):
@@ -226,7 +285,9 @@ class DistributedDataParallel(nn.Module):
         buffer_source = 0
         if self._join is not None and torch.is_grad_enabled():
             buffer_source = self._join.step_in(self)  # a rank that still has data
-        if self.broadcast_buffers and self.sync.forward_buffer_sync:
+        if self.sync.overlap == "forward":  # the comm thread sent them
+            self._take_buffers()
+        elif self.broadcast_buffers and self.sync.forward_buffer_sync:
             buffers = list(self.module.buffers())
             if buffers:  # the source rank's BatchNorm statistics are everyone's
                 broadcast_coalesced(buffers, src=buffer_source, comm=self.comm)
@@ -274,6 +335,9 @@ class DistributedDataParallel(nn.Module):
         if self.bucketer is None:
             raise NotImplementedError(f"join() shadows bucket reductions; the "
                                       f"{self.sync.name!r} strategy has none")
+        if self.stepper is not None or self.sync.overlap == "forward":
+            raise NotImplementedError("join() with overlap=\"forward\" is not supported: "
+                                      "a shadowed step has no forward to take it in")
         if self._join is not None:
             raise RuntimeError("join() contexts do not nest")
         self._join = _JoinState(divide_by_initial_world_size, throw_on_early_termination)

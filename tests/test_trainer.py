@@ -339,6 +339,10 @@ BAD_FLAGS = [
     (["--elastic"], "--elastic needs the membership store"),
     (["--elastic", "--store", "nohost"], "--store 'nohost': expected HOST:PORT"),
     (["--min-ranks", "2"], "--store and --min-ranks belong to --elastic"),
+    (["--sync-option", "overlap=forward", "--amp", "fp16"],
+     "--sync allreduce with overlap=forward does not take --amp fp16"),
+    (["--sync-option", "overlap=sideways"], "overlap='sideways': choose from backward, "
+                                            "forward"),
 ]
 
 

@@ -149,9 +149,13 @@ class Variant:
                 self.model, sync=self.strategy, comm=comm, **sizes)
             self.buckets = "-"
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.clock = WaitClock(self.model)
+        self.stepper = None  # overlap=forward: the step is taken inside the next forward
+        if getattr(self.strategy, "overlap", "backward") == "forward":
+            self.stepper = self.wrapped.step_in_forward(
+                self.optimizer, waiting=lambda: self.clock.blocking("waiting in forward"))
         self.images = torch.randn(args.batch_size, 1, 28, 28).to(comm.device)
         self.labels = torch.randint(0, 10, (args.batch_size,)).to(comm.device)
-        self.clock = WaitClock(self.model)
         self.sent = SentBytes(comm, self.strategy)
         self.period = self.strategy.period
         self.steps_per_round = math.ceil(args.steps / self.period) * self.period
@@ -172,7 +176,7 @@ class Variant:
         with self.clock.blocking("after_backward"):
             self.strategy.after_backward(self.model)
         with trace.span("optimizer", cat="compute"):
-            self.optimizer.step()
+            (self.stepper or self.optimizer).step()
         self.steps_done += 1
         with self.clock.blocking("after_step"):
             self.strategy.after_step(self.model, self.steps_done)
@@ -190,7 +194,10 @@ class Variant:
     def drain(self):
         """Wait for the communication this variant left running in the background
         (delayed's last all-reduce, async-avg's round): waiting, as a later step of its
-        own would have waited for it."""
+        own would have waited for it. overlap=forward: the last step is taken first (its
+        waits are the clock's already)."""
+        if self.stepper is not None:
+            self.stepper.flush()
         with self.clock.blocking("drain background"):
             drain_background(self.wrapped, self.strategy)
 

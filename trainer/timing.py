@@ -166,7 +166,8 @@ def drain_background(ddp, strategy) -> None:
     in whatever is measured next. The strategy settles its own (`settle`: async-avg's
     ranks may be a round apart, and must agree on which round to finish); our DDP's
     bucketer finishes every bucket inside backward already. Its state is untouched:
-    the next step finds the result ready, as if the network had been fast."""
+    the next step finds the result ready, as if the network had been fast. (overlap=
+    forward's step is finished by its stepper's flush() first.)"""
     bucketer = getattr(ddp, "bucketer", None)
     if bucketer is not None:
         bucketer.worker.drain()

@@ -8,6 +8,14 @@ batch, so training equals single-process training on the union of the ranks' bat
 The average is a division and a sum. The division is the bucketer's: it divides each
 gradient as it copies it into its bucket (`gradient_divisor`), so reduce_bucket only
 sums what it is handed (a bucket given to it by hand must be divided first).
+
+overlap="forward" changes when, not what: the buckets are reduced in chunks of
+`chunk_mb`, those the next forward needs first (priority.py), backward returns without
+waiting for them, and the optimizer steps each layer inside the next forward once its
+gradients are in (step_in_forward.py). The same updates of the same sums (each element
+summed in the order the algorithm takes for its chunk: with 3 or more ranks the ring
+may add in another order than for the whole bucket); the next forward runs while the
+last buckets are on the wire.
 """
 from __future__ import annotations
 
@@ -19,10 +27,28 @@ from .. import api
 from .base import SyncStrategy, register
 
 
+OVERLAPS = ("backward", "forward")
+
+
 @register("allreduce")
 class AllReduce(SyncStrategy):
-    def __init__(self, algorithm: str = "auto"):
+    def __init__(self, algorithm: str = "auto", overlap: str = "backward",
+                 chunk_mb: float = 1.0):
+        if overlap not in OVERLAPS:
+            raise ValueError(f"overlap={overlap!r}: choose from {', '.join(OVERLAPS)}")
+        if not isinstance(chunk_mb, (int, float)) or chunk_mb <= 0:
+            raise ValueError(f"chunk_mb={chunk_mb!r}: use megabytes above 0")
         self.algorithm = algorithm
+        # what communication overlaps: the rest of backward (DDP's), or the next forward
+        self.overlap = overlap
+        self.chunk_bytes = int(chunk_mb * (1 << 20))
+
+    def setup(self, model: torch.nn.Module, comm) -> None:
+        super().setup(model, comm)
+        # overlap="forward": buckets are still being reduced while the training thread
+        # runs the next forward (and whatever collectives a loop calls between steps)
+        if self.overlap == "forward" and comm.world_size > 1:
+            self.channel = comm.duplicate()
 
     def gradient_divisor(self) -> Optional[int]:
         # Divide first, then sum (as DDP does): the sum cannot overflow in fp16.
@@ -31,4 +57,5 @@ class AllReduce(SyncStrategy):
     def reduce_bucket(self, flat: torch.Tensor) -> None:
         # The gradients came in divided (gradient_divisor): summing averages them.
         # check=False: the bucket layout was agreed across ranks when the model was wrapped.
-        api.all_reduce(flat, op="sum", algorithm=self.algorithm, comm=self.comm, check=False)
+        api.all_reduce(flat, op="sum", algorithm=self.algorithm, comm=self.channel or self.comm,
+                       check=False)

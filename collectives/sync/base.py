@@ -91,6 +91,14 @@ class SyncStrategy:
     # True: the strategy keeps state per gradient bucket (topk's residuals), so the
     # buckets must not be re-cut once training has begun (bucket_cap_mb="auto").
     keeps_bucket_state = False
+    # "backward": buckets are reduced as backward goes on, and backward waits for the
+    # last (DDP's schedule). "forward": in chunks of chunk_bytes, those the next forward
+    # needs first, the optimizer stepping each layer inside it (allreduce's option).
+    overlap = "backward"
+    chunk_bytes = 0
+    # The communicator the bucketer's thread reduces over when the training thread may
+    # call collectives at the same time (overlap="forward": a duplicate); None: `comm`.
+    channel: Optional[Transport] = None
     # fp16 AMP: the torch.amp.GradScaler whose loss scale multiplies the gradients the
     # strategy sees (set by the training loop; None when gradients arrive unscaled).
     grad_scaler = None

@@ -36,7 +36,8 @@ class _CastAllReduce(AllReduce):
         # Divided first (gradient_divisor), then cast: in float16 a sum of large
         # gradients could overflow.
         compact = flat.to(self.dtype)
-        api.all_reduce(compact, op="sum", algorithm=self.algorithm, comm=self.comm, check=False)
+        api.all_reduce(compact, op="sum", algorithm=self.algorithm,
+                       comm=self.channel or self.comm, check=False)
         flat.copy_(compact)
 
 

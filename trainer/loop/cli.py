@@ -246,6 +246,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--shards dynamic: --sync {args.sync} meets every rank in a collective "
                      "every step (or every period), so every rank must take the same "
                      "number of steps; use --shards static")
+    if getattr(strategy, "overlap", "backward") == "forward":
+        refuse_for_forward_overlap(parser, args)
     if args.elastic:
         refuse_for_elastic(parser, args)
     elif args.store or args.min_ranks != 1:
@@ -274,6 +276,19 @@ def refuse_for_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace
     for flag, given in unsupported.items():
         if given:
             parser.error(f"--elastic does not take {flag}")
+
+
+def refuse_for_forward_overlap(parser: argparse.ArgumentParser,
+                               args: argparse.Namespace) -> None:
+    """overlap=forward takes the optimizer step layer by layer inside the next forward:
+    what needs every gradient at once, or a step taken at once, is refused (exit 2)."""
+    unsupported = {"--amp fp16 (its inf check spans every gradient)": args.amp == "fp16",
+                   "--skip-nonfinite (it asks about every gradient)": args.skip_nonfinite,
+                   "--elastic (a commit would come before its step)": args.elastic,
+                   "--bucket-mb auto": args.bucket_mb == "auto"}
+    for flag, given in unsupported.items():
+        if given:
+            parser.error(f"--sync {args.sync} with overlap=forward does not take {flag}")
 
 
 def create_sync(args: argparse.Namespace):

@@ -55,6 +55,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 import collectives
 from collectives import trace
+from collectives.step_in_forward import StepInForward
 from .. import torch_peers
 from ..timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 from . import checkpoint, data
@@ -144,6 +145,8 @@ class Run:
     clock: WaitClock               # seconds the training thread waits on communication
     sent: SentBytes                # bytes this rank has sent
     step: int = 0                  # optimizer steps applied so far, over all epochs
+    # overlap=forward: the optimizer whose step is taken inside the next forward
+    stepper: Optional[StepInForward] = None
 
     def say(self, *args, **kwargs) -> None:
         """print() on rank 0 only: every rank computes the same line."""
@@ -257,8 +260,12 @@ def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
         schedule = progress_schedule(optimizer, sampler, args.epochs, args.schedule == "cosine")
     else:
         schedule = lr_schedule(args, optimizer, steps_per_epoch)
+    stepper = None
+    if getattr(strategy, "overlap", "backward") == "forward":  # its waits are the clock's
+        stepper = ddp.step_in_forward(optimizer,
+                                      waiting=lambda: clock.blocking("waiting in forward"))
     return Run(args, split, comm, model, ddp, strategy, torch_peer, optimizer, scaler,
-               schedule, sampler, loader, steps_per_epoch, clock, sent)
+               schedule, sampler, loader, steps_per_epoch, clock, sent, stepper=stepper)
 
 
 def wrap_model(args: argparse.Namespace, model: torch.nn.Module, strategy, comm,
@@ -413,6 +420,8 @@ def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
         losses.append(forward_backward(run, images, labels, synchronise=last_micro))
         if last_micro and optimizer_step(run, step_started) and run.comm.rank == 0:
             batches.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)  # at its next redraw
+    if run.stepper is not None:  # the last step, before evaluating or saving (its waits
+        run.stepper.flush()      # are the clock's already)
     with run.clock.blocking("drain"):  # the epoch's background communication ends in it
         drain_background(run.ddp, run.strategy)
     train_seconds = time.perf_counter() - started
@@ -453,8 +462,11 @@ def optimizer_step(run: Run, step_started: int) -> bool:
         skip_step(run)
         return False
     with trace.span("optimizer", cat="compute"):
-        run.scaler.step(run.optimizer)
-        run.scaler.update()
+        if run.stepper is not None:  # taken inside the next forward
+            run.stepper.step()
+        else:
+            run.scaler.step(run.optimizer)
+            run.scaler.update()
         run.schedule.step()
     run.step += 1
     with run.clock.blocking("after_step"):  # torch's model averager wants the grads

@@ -1,0 +1,146 @@
+"""Rank functions for tests/test_overlap.py: allreduce with overlap="forward" (buckets
+by priority, the optimizer stepped inside the next forward) against plain allreduce."""
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import collectives
+from collectives import DistributedDataParallel, sync
+from collectives.sync.allreduce import AllReduce
+
+# tiny buckets and chunks, so that a step has several of each (a float64 model of
+# about 1600 parameters: buckets of fc, of layer 2, of layer 1; 64-element chunks)
+BUCKETS = dict(bucket_cap_mb=0.004, first_bucket_mb=0.001)
+CHUNK_MB = 0.0005
+
+
+class Net(nn.Module):
+    """Two conv + BatchNorm layers and a linear one: buffers, biases, several buckets."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8)
+        self.conv2, self.bn2 = nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.fc = nn.Linear(16, 10)
+
+    def forward(self, x):
+        x = F.relu(self.bn1(self.conv1(x)))
+        x = F.relu(self.bn2(self.conv2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+OPTIMIZERS = {
+    "sgd": lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, weight_decay=1e-2,
+                                          nesterov=True),
+    "adam": lambda params: torch.optim.Adam(params, lr=0.01, weight_decay=1e-3),
+    "adamw": lambda params: torch.optim.AdamW(params, lr=0.01, weight_decay=1e-2),
+}
+
+
+def train(comm, overlap, algorithm, optimizer, dtype, steps, reduce=None):
+    """`steps` steps with a cosine schedule (its learning rate changes every step);
+    returns the losses, the parameters as each forward after the first saw them, the
+    final parameters and rank 0's buffers."""
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    strategy = (reduce or AllReduce)(algorithm=algorithm, overlap=overlap, chunk_mb=CHUNK_MB)
+    ddp = DistributedDataParallel(model, sync=strategy, comm=comm, **BUCKETS)
+    inner = OPTIMIZERS[optimizer](model.parameters())
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(inner, T_max=steps)
+    stepper = ddp.step_in_forward(inner) if overlap == "forward" else inner
+    generator = torch.Generator().manual_seed(100 + comm.rank)  # each rank its own data
+    losses, seen = [], []
+    for _ in range(steps):
+        x = torch.randn(4, 3, 6, 6, generator=generator, dtype=dtype)
+        y = torch.randint(0, 10, (4,), generator=generator)
+        loss = F.cross_entropy(ddp(x), y)  # overlap="forward": the last step is taken here
+        seen.append([p.detach().clone() for p in model.parameters()])
+        losses.append(loss.item())
+        loss.backward()
+        stepper.step()
+        stepper.zero_grad(set_to_none=True)
+        schedule.step()
+        # a collective of the loop's own while the buckets may still be on the wire
+        collectives.all_reduce(torch.tensor([loss.item()]), op="avg", comm=comm)
+    state = stepper.state_dict()  # forward: the last step is taken first
+    final = [p.detach().clone() for p in model.parameters()]
+    buffers = [b.clone() for b in model.buffers()]
+    if overlap == "forward":
+        stepper.close()
+    ddp.bucketer.close()
+    return losses, seen, final, buffers, len(state["state"])
+
+
+def forward_overlap_equals_allreduce(comm, algorithm, optimizer, dtype_name, steps=6):
+    """Both schedules, the same data: (bitwise equal?, largest difference) of every
+    loss, every parameter each forward saw, the final parameters and buffers."""
+    dtype = getattr(torch, dtype_name)
+    plain = train(comm, "backward", algorithm, optimizer, dtype, steps)
+    ahead = train(comm, "forward", algorithm, optimizer, dtype, steps)
+    assert plain[4] == ahead[4] > 0, (plain[4], ahead[4])  # optimizer state, every param
+    pairs = [(torch.tensor(plain[0]), torch.tensor(ahead[0]))]
+    pairs += [(a, b) for step_a, step_b in zip(plain[1], ahead[1]) for a, b in zip(step_a, step_b)]
+    pairs += list(zip(plain[2], ahead[2])) + list(zip(plain[3], ahead[3]))
+    equal = all(torch.equal(a, b) for a, b in pairs)
+    worst = max(float((a.double() - b.double()).abs().max()) for a, b in pairs)
+    moved = not torch.equal(plain[1][0][0], plain[2][0])  # the weights did change
+    return equal, worst, moved
+
+
+class SlowAllReduce(AllReduce):
+    """allreduce whose every chunk takes 50 ms: the communication outlasts backward."""
+
+    def reduce_bucket(self, flat):
+        time.sleep(0.05)
+        super().reduce_bucket(flat)
+
+
+def the_first_layer_runs_before_the_last_buckets_land(comm):
+    """Rank 0's view when conv1 (the first layer, in the last bucket out of backward)
+    starts its next forward: how many elements of the step were still unreduced, of
+    how many, and how many of bucket 0 (fc's, the first out of backward)."""
+    torch.manual_seed(0)
+    model = Net().double()
+    ddp = DistributedDataParallel(model, comm=comm, **BUCKETS,
+                                  sync=SlowAllReduce(algorithm="ring", overlap="forward",
+                                                     chunk_mb=CHUNK_MB))
+    stepper = ddp.step_in_forward(torch.optim.SGD(model.parameters(), lr=0.1))
+    unreduced = []
+    model.conv1.register_forward_pre_hook(  # registered after the stepper's: runs after it
+        lambda module, inputs: unreduced.append(list(ddp.bucketer.priority.reduced_from)))
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    for _ in range(2):
+        F.cross_entropy(ddp(x), torch.zeros(4, dtype=torch.int64)).backward()
+        stepper.step()
+        stepper.zero_grad()
+        comm.barrier()  # the loop's own collective, while the buckets are on the wire
+    ddp(x)
+    sizes = [bucket.buffer.numel() for bucket in ddp.bucketer.buckets]
+    stepper.close()
+    ddp.bucketer.close()
+    return unreduced[-1], sizes
+
+
+def refusals(comm):
+    """What overlap="forward" refuses, each with its message."""
+    said = []
+    model = Net().double()
+    forward = sync.create("allreduce", overlap="forward")
+    for attempt in (
+            lambda: DistributedDataParallel(model, comm=comm, sync=forward,
+                                            find_unused_parameters=True),
+            lambda: DistributedDataParallel(Net(), comm=comm,
+                                            sync=sync.create("allreduce", overlap="forward"))(
+                torch.randn(2, 3, 6, 6)),
+            lambda: DistributedDataParallel(Net(), comm=comm,
+                                            sync=sync.create("allreduce", overlap="forward")
+                                            ).step_in_forward(torch.optim.LBFGS(model.parameters())),
+            lambda: sync.create("allreduce", overlap="sideways")):
+        try:
+            attempt()
+            said.append(None)
+        except (ValueError, RuntimeError) as error:
+            said.append(str(error))
+    return said

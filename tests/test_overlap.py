@@ -1,0 +1,50 @@
+"""allreduce with overlap="forward": the same weights as plain allreduce, step by step,
+while the next forward starts before the last buckets have landed."""
+import pytest
+
+from checks_overlap import (forward_overlap_equals_allreduce, refusals,
+                            the_first_layer_runs_before_the_last_buckets_land)
+from distributed import run_world
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size, algorithm, optimizer", [
+    (2, "ring", "sgd"), (3, "naive", "sgd"), (3, "naive", "adam"), (2, "ring", "adamw")])
+def test_float64_weights_equal_plain_allreduce_bitwise_at_every_step(world_size, algorithm,
+                                                                     optimizer):
+    # naive sums each element in rank order wherever the chunk boundaries fall; the ring
+    # at 2 ranks adds two numbers, which is the same in either order
+    results = run_world(forward_overlap_equals_allreduce, world_size,
+                        (algorithm, optimizer, "float64"), timeout=130)
+    for equal, worst, moved in results:
+        assert moved and equal, worst
+
+
+@pytest.mark.timeout(150)
+def test_float32_on_3_ranks_with_the_ring_equals_it_to_rounding():
+    # the ring splits a chunk into other segments than its whole bucket: each element is
+    # summed in another order, so only the last bits may differ
+    results = run_world(forward_overlap_equals_allreduce, 3, ("ring", "sgd", "float32"),
+                        timeout=130)
+    for equal, worst, moved in results:
+        assert moved and worst < 1e-5, worst
+
+
+@pytest.mark.timeout(120)
+def test_the_first_layer_is_stepped_while_the_first_buckets_are_still_on_the_wire():
+    # over gloo alone (no shared memory), as across hosts
+    (unreduced, sizes), _ = run_world(the_first_layer_runs_before_the_last_buckets_land, 2,
+                                      timeout=100, shm="off")
+    last = len(sizes) - 1
+    assert len(sizes) >= 3, sizes
+    assert unreduced[last] <= sizes[last] - 224  # conv1's slots, at the end, are in
+    assert unreduced[0] > 0, (unreduced, sizes)  # fc's bucket, launched first, is not
+
+
+@pytest.mark.timeout(120)
+def test_what_it_cannot_do_is_refused_with_one_line():
+    said = run_world(refusals, 2, timeout=100)[0]
+    assert "find_unused_parameters" in said[0]
+    assert "model.step_in_forward(optimizer)" in said[1]
+    assert "LBFGS is not one of the optimizers" in said[2]
+    assert "overlap='sideways': choose from backward, forward" in said[3]
