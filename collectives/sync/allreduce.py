@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from .. import api
+from ..priority import chunk_bytes_for
 from .base import SyncStrategy, register
 
 
@@ -33,15 +34,15 @@ OVERLAPS = ("backward", "forward")
 @register("allreduce")
 class AllReduce(SyncStrategy):
     def __init__(self, algorithm: str = "auto", overlap: str = "backward",
-                 chunk_mb: float = 1.0):
+                 chunk_mb="auto"):
         if overlap not in OVERLAPS:
             raise ValueError(f"overlap={overlap!r}: choose from {', '.join(OVERLAPS)}")
-        if not isinstance(chunk_mb, (int, float)) or chunk_mb <= 0:
-            raise ValueError(f"chunk_mb={chunk_mb!r}: use megabytes above 0")
+        if chunk_mb != "auto" and (not isinstance(chunk_mb, (int, float)) or chunk_mb <= 0):
+            raise ValueError(f"chunk_mb={chunk_mb!r}: use megabytes above 0, or auto")
         self.algorithm = algorithm
         # what communication overlaps: the rest of backward (DDP's), or the next forward
         self.overlap = overlap
-        self.chunk_bytes = int(chunk_mb * (1 << 20))
+        self.chunk_mb = chunk_mb  # "auto": sized for the links (priority.chunk_bytes_for)
 
     def setup(self, model: torch.nn.Module, comm) -> None:
         super().setup(model, comm)
@@ -49,6 +50,9 @@ class AllReduce(SyncStrategy):
         # runs the next forward (and whatever collectives a loop calls between steps)
         if self.overlap == "forward" and comm.world_size > 1:
             self.channel = comm.duplicate()
+        if self.overlap == "forward":
+            self.chunk_bytes = (chunk_bytes_for(comm) if self.chunk_mb == "auto"
+                                else int(self.chunk_mb * (1 << 20)))
 
     def gradient_divisor(self) -> Optional[int]:
         # Divide first, then sum (as DDP does): the sum cannot overflow in fp16.

@@ -1,0 +1,16 @@
+#!/bin/bash
+# allreduce with overlap=forward against plain allreduce and torch's DDP, side by side
+# in one trainer.bench run (rounds that rotate), on 4 emulated hosts of one rank at
+# 100 Mbit/s and 1 Gbit/s; three runs each, one after another, nothing else running.
+#     bash docs/data/overlap_forward/run.sh      (about 20 minutes; as root)
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+for rate in 100mbit 1gbit; do
+    for run in 1 2 3; do
+        python -m collectives.cluster --hosts 4 --bandwidth "$rate" -- \
+            python -m trainer.bench --sync allreduce,allreduce:overlap=forward,ddp \
+            --steps 3 --rounds 3 --json "$here/${rate}_$run.jsonl" \
+            2>&1 | tee "$here/${rate}_$run.txt"
+    done
+done
+python "$here/summary.py"
