@@ -171,11 +171,12 @@ class CommWorker:
                 self.busy_seconds += time.perf_counter() - started
                 done.set()
 
-    def submit(self, job: Callable[[], None], name: str = "communication",
+    def submit(self, job: Callable[[], None], name: str = "communication", span: bool = True,
                **trace_args) -> threading.Event:
-        """Queue `job`; `name` and `trace_args` label its span when tracing."""
+        """Queue `job`; `name` and `trace_args` label its span when tracing (none with
+        span=False: a job that draws its own, as the buckets by priority do)."""
         done = threading.Event()
-        ready_ns = time.perf_counter_ns() if trace.active() else None
+        ready_ns = time.perf_counter_ns() if span and trace.active() else None
         self.jobs.put((job, done, name, trace_args, ready_ns))
         return done
 
@@ -372,7 +373,7 @@ class Bucketer:
                 raise self.worker.error
             if launched == 0:  # the step's first launch
                 self._pending.append(self.worker.submit(self._reduce_by_priority,
-                                                        "buckets by priority"))
+                                                        "buckets by priority", span=False))
             self.priority.launched(self._next_to_launch)
 
     def _reduce_by_priority(self) -> None:

@@ -184,7 +184,7 @@ class PriorityReducer:
         start = max(0, end - self.chunk_elements[bucket])
         chunk = self.buffers[bucket][start:end]
         started, cpu = time.perf_counter(), time.thread_time()
-        with trace.span(f"bucket {bucket} [{start}:{end}]", cat="comm", level=2,
+        with trace.span(f"bucket {bucket} [{start}:{end}]", cat="comm",
                         bytes=chunk.numel() * chunk.element_size()):
             self.reduce_chunk(chunk)
         self.seconds[bucket] += time.perf_counter() - started

@@ -19,7 +19,7 @@ gradient and state alone. So here (the `allreduce` strategy with overlap="forwar
     for x, y in loader:
         loss_fn(model(x), y).backward()
         optimizer.step(); optimizer.zero_grad(); schedule.step()
-    optimizer.flush()  # before reading the parameters outside a forward (saving them)
+    optimizer.flush()  # before reading the parameters outside a forward or state_dict()
 
 Each parameter gets exactly the update one optimizer.step() would give it: the step is
 taken on a shallow copy of the optimizer that shares its state (momentum buffers,
@@ -27,7 +27,9 @@ Adam's moments) and has the remembered hyperparameters, over the parameters of o
 layer at a time. The optimizer must update each parameter from its own gradient and
 state (ELEMENTWISE); a rule over all gradients at once cannot run, since step() comes
 before the gradients exist: clip_grad_norm_, GradScaler's inf check (fp16 AMP), a
-closure (LBFGS). state_dict() finishes the pending step first.
+closure (LBFGS). The model's and the optimizer's state_dict() finish the pending step
+first. After step(), .grad holds this rank's own gradient (or what zero_grad() left),
+not the average: the average lands in the next forward and is gone after its step.
 """
 from __future__ import annotations
 
@@ -88,6 +90,9 @@ class StepInForward:
                 self._hooks.append(module.register_forward_pre_hook(
                     lambda module, inputs, own=own: self._step_these(own), prepend=True))
         self._hooks.append(ddp.module.register_forward_hook(self._after_forward))
+        # the model's state_dict() (a checkpoint) holds the step in flight too
+        self._hooks.append(ddp.module.register_state_dict_pre_hook(
+            lambda module, prefix, keep_vars: self.flush()))
 
     # --- what a training loop calls ---------------------------------------------------
     def step(self, closure=None) -> None:
