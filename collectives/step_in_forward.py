@@ -89,7 +89,10 @@ class StepInForward:
             if own:                          # computes a weight from the stepped ones)
                 self._hooks.append(module.register_forward_pre_hook(
                     lambda module, inputs, own=own: self._step_these(own), prepend=True))
-        self._hooks.append(ddp.module.register_forward_hook(self._after_forward))
+        # (functions, not bound methods: a deepcopy of the model, as for evaluation or an
+        # average of weights, copies a bound method's object, this one and its threads)
+        self._hooks.append(ddp.module.register_forward_hook(
+            lambda module, inputs, output: self._after_forward(module)))
         # the model's state_dict() (a checkpoint) holds the step in flight too
         self._hooks.append(ddp.module.register_state_dict_pre_hook(
             lambda module, prefix, keep_vars: self.flush()))
@@ -154,7 +157,7 @@ class StepInForward:
             self.ddp.stepper = None
 
     # --- inside the forward ----------------------------------------------------------
-    def _after_forward(self, module, inputs, output) -> None:
+    def _after_forward(self, module: torch.nn.Module) -> None:
         """The forward has ended: step what it did not use. In a training forward a
         parameter left over was either unused (the next backward says so) or read by
         a module other than its own before it was stepped (nn.MultiheadAttention reads

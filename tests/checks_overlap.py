@@ -144,3 +144,24 @@ def refusals(comm):
         except (ValueError, RuntimeError) as error:
             said.append(str(error))
     return said
+
+
+def a_deep_copy_of_the_model_evaluates(comm):
+    """What the trainer does at each epoch's end: the step in flight finished, then a
+    deep copy of the model (hooks and all) evaluated. The copy's output."""
+    import copy
+    torch.manual_seed(0)
+    model = Net().double()
+    ddp = DistributedDataParallel(model, comm=comm, **BUCKETS,
+                                  sync=AllReduce(overlap="forward", chunk_mb=CHUNK_MB))
+    stepper = ddp.step_in_forward(torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
+    F.cross_entropy(ddp(x), torch.zeros(4, dtype=torch.int64)).backward()
+    stepper.step()
+    stepper.flush()
+    twin = copy.deepcopy(model).eval()
+    with torch.no_grad():
+        out = twin(x)
+    stepper.close()
+    ddp.bucketer.close()
+    return out.shape

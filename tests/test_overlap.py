@@ -2,7 +2,8 @@
 while the next forward starts before the last buckets have landed."""
 import pytest
 
-from checks_overlap import (forward_overlap_equals_allreduce, refusals,
+from checks_overlap import (a_deep_copy_of_the_model_evaluates,
+                            forward_overlap_equals_allreduce, refusals,
                             the_first_layer_runs_before_the_last_buckets_land)
 from distributed import run_world
 
@@ -48,3 +49,8 @@ def test_what_it_cannot_do_is_refused_with_one_line():
     assert "model.step_in_forward(optimizer)" in said[1]
     assert "LBFGS is not one of the optimizers" in said[2]
     assert "overlap='sideways': choose from backward, forward" in said[3]
+
+
+@pytest.mark.timeout(120)
+def test_a_deep_copy_of_the_model_evaluates_as_the_trainer_makes_one():
+    assert run_world(a_deep_copy_of_the_model_evaluates, 2, timeout=100) == [(4, 10)] * 2

@@ -45,7 +45,9 @@ def evaluated_copy(model: torch.nn.Module, strategy, comm) -> torch.nn.Module:
 
     Collective over `comm`, whose ranks hold the replicas `strategy` keeps.
     """
-    model = copy.deepcopy(model)  # parameters and buffers; no gradients, no hooks
+    # parameters and buffers, no gradients; the module hooks come along (overlap=forward's
+    # find no step in flight: the epoch's last was taken before evaluating)
+    model = copy.deepcopy(model)
     buffers = list(model.buffers())
     if strategy.replicas_differ:
         collectives.all_reduce_coalesced(averaged_tensors(model), op="avg", comm=comm)
