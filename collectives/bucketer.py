@@ -24,9 +24,10 @@ bucketer does what DDP's Reducer does:
    does, instead of a pass over the bucket of its own.
 
 3. Finish. `finish()` waits for every bucket and writes the reduced values back into
-   `param.grad` (buckets reduced by priority, priority.py: it hands the step over, and
-   the next forward takes each layer's gradients as they land, step_in_forward.py). DDP mode calls it automatically when backward ends (an autograd engine
-   callback); the Horovod face calls it from optimizer.step().
+   `param.grad`. DDP mode calls it automatically when backward ends (an autograd engine
+   callback); the Horovod face calls it from optimizer.step(). (Buckets reduced by
+   priority, priority.py: it hands the step over instead, and the next forward takes
+   each layer's gradients as they land, step_in_forward.py.)
 
 Each synced step leaves a profile (`profile()`): when every gradient became ready, how
 long each bucket's reduction ran and what CPU it took. bucket_sizes.py sizes the

@@ -76,10 +76,12 @@ class StepInForward:
                                            enumerate(optimizer.param_groups)
                                            for p in group["params"]}
         reduced = {id(p) for bucket in self.bucketer.buckets for p in bucket.params}
-        if set(self._group_of) != reduced:
-            raise ValueError("step_in_forward: the optimizer must hold exactly the model's "
-                             "trained parameters (one outside the model would never be "
-                             "stepped; one of the model's outside it would be)")
+        trained = {id(p) for group in optimizer.param_groups for p in group["params"]
+                   if p.requires_grad}  # frozen ones never have a gradient to step
+        if trained != reduced:
+            raise ValueError("step_in_forward: the optimizer must hold the model's trained "
+                             "parameters and no others (one outside the model would never "
+                             "be stepped; one of the model's outside it would be)")
         self._pending: Optional[List[dict]] = None  # the remembered step's hyperparameters
         self._discarded = False  # zero_grad() came instead of step(): drop the gradients
         self._stepped: set = set()                  # ids stepped in this forward

@@ -134,9 +134,9 @@ def refusals(comm):
             lambda: DistributedDataParallel(Net(), comm=comm,
                                             sync=sync.create("allreduce", overlap="forward"))(
                 torch.randn(2, 3, 6, 6)),
-            lambda: DistributedDataParallel(Net(), comm=comm,
-                                            sync=sync.create("allreduce", overlap="forward")
-                                            ).step_in_forward(torch.optim.LBFGS(model.parameters())),
+            lambda: DistributedDataParallel(
+                Net(), comm=comm, sync=sync.create("allreduce", overlap="forward")
+            ).step_in_forward(torch.optim.LBFGS(model.parameters())),
             lambda: sync.create("allreduce", overlap="sideways")):
         try:
             attempt()
