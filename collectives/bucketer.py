@@ -223,8 +223,8 @@ class Bucketer:
                                      or gradient_as_bucket_view):
             raise ValueError("buckets reduced by priority (overlap=\"forward\") are still "
                              "being reduced after backward, in no other job of the step: "
-                             "find_unused_parameters, a sparse reduction and "
-                             "gradient_as_bucket_view are not supported with it")
+                             "find_unused_parameters (static_graph), a sparse reduction "
+                             "and gradient_as_bucket_view are not supported with it")
         trainable = [p for p in reversed(list(params)) if p.requires_grad]
         self.comm = comm
         self.reduce_bucket = reduce_bucket
@@ -562,9 +562,7 @@ class Bucketer:
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
-        if self.priority is not None:
-            self.priority.close()
-        self.worker.stop()
+        self.worker.stop()  # its on_stop closes the priority schedule
 
 
 def _wait_for_every_one(waits: Dict) -> Dict:

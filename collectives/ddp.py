@@ -183,12 +183,11 @@ class DistributedDataParallel(nn.Module):
         # overlap="forward": buckets reduced by priority, the optimizer stepped inside the
         # next forward (step_in_forward.py); the buffers go first on the comm thread
         self.stepper: Optional[StepInForward] = None
-        self._staged_buffers: List[torch.Tensor] = []
+        self._staged_buffers: List[tuple] = []  # (copy received, the module's buffer)
         if self.sync.overlap == "forward":
-            if find_unused_parameters or static_graph or auto:
+            if auto:  # the rest it cannot take, the bucketer refuses
                 raise ValueError(f"sync {self.sync.name!r} with overlap=\"forward\": "
-                                 "find_unused_parameters, static_graph and bucket_cap_mb="
-                                 "\"auto\" are not supported with it")
+                                 "bucket_cap_mb=\"auto\" is not supported with it")
             self._bucketer_options.update(priority_chunk_bytes=self.sync.chunk_bytes,
                                           before_buckets=self._buffers_before_buckets())
         if self.sync.uses_buckets:
@@ -202,7 +201,7 @@ class DistributedDataParallel(nn.Module):
 
     def _make_bucketer(self, cap_mb: float, first_mb: float) -> None:
         self.bucketer = Bucketer(self.module.parameters(), self.sync.reduce_bucket,
-                                 self.sync.channel or self.comm,
+                                 self.sync.bucket_comm,
                                  bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
                                  divisor=self.sync.gradient_divisor, **self._bucketer_options)
         try:
@@ -255,12 +254,13 @@ class DistributedDataParallel(nn.Module):
         buffers = list(self.module.buffers())
         if not (self.broadcast_buffers and self.sync.forward_buffer_sync and buffers):
             return None
-        self._staged_buffers = [buffer.clone() for buffer in buffers]
+        self._staged_buffers = [(buffer.clone(), buffer) for buffer in buffers]
+        copies = [staged for staged, _ in self._staged_buffers]
 
         def broadcast() -> None:
-            for staged, buffer in zip(self._staged_buffers, buffers):
+            for staged, buffer in self._staged_buffers:
                 staged.copy_(buffer)
-            broadcast_coalesced(self._staged_buffers, src=0, comm=self.sync.channel or self.comm)
+            broadcast_coalesced(copies, src=0, comm=self.sync.bucket_comm)
         return broadcast
 
     def _take_buffers(self) -> None:
@@ -270,7 +270,7 @@ class DistributedDataParallel(nn.Module):
             with self.stepper.waiting():
                 self.bucketer.take([])
             with torch.no_grad():
-                for staged, buffer in zip(self._staged_buffers, self.module.buffers()):
+                for staged, buffer in self._staged_buffers:
                     buffer.copy_(staged)
 
     def forward(self, *inputs, **kwargs):

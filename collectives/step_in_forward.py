@@ -106,7 +106,6 @@ class StepInForward:
         if closure is not None:
             raise ValueError("step_in_forward: a closure (LBFGS) needs every gradient at once")
         if not self.bucketer.handed_off:
-            self.flush()
             self.optimizer.step()
             return
         if self._pending is not None:  # two step() calls for one backward

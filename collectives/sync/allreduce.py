@@ -61,5 +61,5 @@ class AllReduce(SyncStrategy):
     def reduce_bucket(self, flat: torch.Tensor) -> None:
         # The gradients came in divided (gradient_divisor): summing averages them.
         # check=False: the bucket layout was agreed across ranks when the model was wrapped.
-        api.all_reduce(flat, op="sum", algorithm=self.algorithm, comm=self.channel or self.comm,
+        api.all_reduce(flat, op="sum", algorithm=self.algorithm, comm=self.bucket_comm,
                        check=False)

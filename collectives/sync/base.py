@@ -96,8 +96,8 @@ class SyncStrategy:
     # needs first, the optimizer stepping each layer inside it (allreduce's option).
     overlap = "backward"
     chunk_bytes = 0
-    # The communicator the bucketer's thread reduces over when the training thread may
-    # call collectives at the same time (overlap="forward": a duplicate); None: `comm`.
+    # A duplicate of `comm` (setup) for bucket work that runs while the training thread
+    # may call collectives of its own (overlap="forward"); None: the buckets use `comm`.
     channel: Optional[Transport] = None
     # fp16 AMP: the torch.amp.GradScaler whose loss scale multiplies the gradients the
     # strategy sees (set by the training loop; None when gradients arrive unscaled).
@@ -115,6 +115,12 @@ class SyncStrategy:
     def setup(self, model: torch.nn.Module, comm: Transport) -> None:
         """Called once, after parameters have been broadcast from rank 0."""
         self.model, self.comm = model, comm
+
+    @property
+    def bucket_comm(self) -> Transport:
+        """The communicator the buckets are reduced over (and the bucketer's jobs run
+        on): `channel` where the strategy made one, else `comm`."""
+        return self.channel or self.comm
 
     def gradient_divisor(self) -> Optional[int]:
         """What each gradient should be divided by as it goes in its bucket, or None.

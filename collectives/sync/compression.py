@@ -37,7 +37,7 @@ class _CastAllReduce(AllReduce):
         # gradients could overflow.
         compact = flat.to(self.dtype)
         api.all_reduce(compact, op="sum", algorithm=self.algorithm,
-                       comm=self.channel or self.comm, check=False)
+                       comm=self.bucket_comm, check=False)
         flat.copy_(compact)
 
 
