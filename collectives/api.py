@@ -4,35 +4,26 @@
     collectives.broadcast(tensor, src=0, algorithm="auto")          in place
     collectives.reduce_scatter(output, input, op="sum")             output = my chunk
     collectives.all_gather(output, input)                           output = all chunks
+    collectives.all_to_all(outputs, inputs)                         outputs[p] from rank p
 
-Each call checks its arguments, then (unless check=False) every rank learns every
-other rank's call: collective, op, algorithm, dtype, numel, shape and root. If they
-differ, every rank raises the same RuntimeError naming both sides, instead of hanging
-or returning garbage as if nothing were wrong. How the ranks learn it:
-
-- the whole world on one host, shared memory on (transport/shm.py's call board): each
-  rank writes its call where the others can read it, runs the call, then reads theirs.
-  No message of its own: an all-reduce costs a few memory reads more. Calls that
-  disagree are caught during or after the exchange (a stalled rank reads the board
-  while it waits), so the tensors may then hold garbage (the call raises) and messages
-  may be left half read: the communicator is out of step and refuses every later call,
-  as NCCL aborts a communicator. The backend's own and the hierarchical algorithms,
-  whose waits do not read the board, wait on it before they run instead;
-- anywhere else (ranks on several hosts, shared memory off), a handshake before the
-  call: one small all-reduce of a few integers per rank, in which nothing of the call's
-  data moves, so the communicator stays usable. Its cost is a row of its own in the
-  benchmark.
+Each call checks its arguments, then runs inside its communicator's call check
+(`comm.checked_call`, transport/calls.py): unless check=False, every rank learns every
+other rank's call (its signature: collective, op, algorithm, dtype, numel, shape and
+root). If they differ, every rank raises the same RuntimeError naming both sides,
+instead of hanging or returning garbage as if nothing were wrong. The ranks compare
+signatures on shared memory's call board where the whole world is on one host, and in
+a handshake (one small all-reduce, `agree_on_call`) anywhere else. A call that left
+the ranks out of step makes the communicator refuse every later one.
 
 Debug mode (COLLECTIVES_DEBUG=DETAIL, like TORCH_DISTRIBUTED_DEBUG=DETAIL) runs the
 handshake on every call, even check=False ones, with each rank's call count in it, so
 the first call where the ranks diverge is named with its number.
 
-A peer that dies or stalls surfaces as PeerError naming the collective, the algorithm
-and the rank that was being waited for.
+A peer that dies or stalls surfaces as PeerError naming the collective, the algorithm,
+the call's number and the rank that was being waited for.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import zlib
@@ -43,16 +34,19 @@ import torch
 from . import algorithms
 from . import trace
 from .world import get_comm
-from .transport import REDUCE_OPS, CallMismatch, PeerError, Transport
+from .transport import REDUCE_OPS, PeerError, Transport
+from .transport.base import nbytes
+from .transport.calls import Call
 
 DEBUG = os.environ.get("COLLECTIVES_DEBUG", "").upper() == "DETAIL"
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                     torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
-_COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter", "all_gather")
+_COLLECTIVES = ("all_reduce", "broadcast", "reduce_scatter", "all_gather", "all_to_all")
 BITWISE_OPS = ("band", "bor", "bxor")  # integer tensors only
 ALGORITHM_IDS = {name: i for i, name in enumerate(
-    ["auto", "ring", "halving-doubling", "tree", "naive", "native", "hierarchical"])}
+    ["auto", "ring", "halving-doubling", "tree", "naive", "native", "hierarchical",
+     "pairwise"])}
 
 
 def _check_tensor(tensor: torch.Tensor, what: str) -> None:
@@ -100,8 +94,11 @@ def _shape_text(fields: List[int]) -> str:
 
 def _describe(row: List[int]) -> str:
     collective, op, algorithm, dtype, numel, root, sequence = row[:7]
-    parts = [_COLLECTIVES[collective], f"numel={numel}", f"shape={_shape_text(row[7:])}",
-             f"dtype={str(SUPPORTED_DTYPES[dtype]).replace('torch.', '')}"]
+    parts = [_COLLECTIVES[collective]]
+    if numel >= 0:  # (all_to_all's sizes are each rank's own: not in its row)
+        parts += [f"numel={numel}", f"shape={_shape_text(row[7:])}"]
+    parts.append("dtype=" + (str(SUPPORTED_DTYPES[dtype]).replace("torch.", "")
+                             if dtype >= 0 else "mixed"))
     if op >= 0:
         parts.append(f"op={REDUCE_OPS[op]}")
     parts.append(f"algorithm={list(ALGORITHM_IDS)[algorithm]}")
@@ -113,11 +110,12 @@ def _describe(row: List[int]) -> str:
 
 
 def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
-    """Every rank's `row` of integers, in rank order (one native all-reduce)."""
+    """Every rank's `row` of integers, in rank order (one small all-reduce)."""
     table = torch.zeros(comm.world_size, len(row), dtype=torch.int64)
     table[comm.rank] = torch.tensor(row, dtype=torch.int64)
     # Each rank fills its own row and the rows are summed: an all-gather. The message is
-    # tiny, so it takes auto's small-message algorithm (gloo's own costs ~7 ms at 4 ranks).
+    # tiny, so it takes auto's small-message algorithm, not the backend's own (slower at
+    # this size: docs/benchmarks.md, "The argument check").
     algorithm = _auto("all_reduce", table.numel() * 8, comm)
     try:
         algorithms.ALL_REDUCE[algorithm](comm, table.view(-1), "sum")
@@ -129,12 +127,30 @@ def gather_rows(comm: Transport, row: List[int]) -> List[List[int]]:
 def call_signature(comm: Transport, collective: str, tensor: torch.Tensor,
                    op: Optional[str], algorithm: str, root: int) -> List[int]:
     """A call as a row of integers (with its number on this communicator in debug mode)."""
-    sequence = getattr(comm, "calls", 0) if DEBUG else -1
+    return _signature(comm, collective, op, algorithm, tensor.dtype, tensor.numel(),
+                      tuple(tensor.shape), root)
+
+
+def _all_to_all_signature(comm: Transport, inputs: Sequence[torch.Tensor]) -> List[int]:
+    """all_to_all's row. Its pieces are each rank's own size (only each pair's must
+    match, which the exchange itself checks: a wrong one raises PeerError), so the row
+    leaves numel and shape out (-1); every rank must still call all_to_all, with
+    pieces of one dtype (-1 where this rank's are mixed)."""
+    dtypes = {tensor.dtype for tensor in inputs}
+    dtype = dtypes.pop() if len(dtypes) == 1 else None
+    return _signature(comm, "all_to_all", None, "pairwise", dtype, -1, (), -1)
+
+
+def _signature(comm: Transport, collective: str, op: Optional[str], algorithm: str,
+               dtype: Optional[torch.dtype], numel: int, shape: tuple, root: int) -> List[int]:
+    """The row: collective, op, algorithm, dtype, numel, root, call number (-1: not
+    in debug mode), then the shape's fields; -1 stands for "none" or "any"."""
+    sequence = comm.calls.count if DEBUG else -1
     return [_COLLECTIVES.index(collective),
             REDUCE_OPS.index(op) if op else -1,
             ALGORITHM_IDS[algorithm],
-            SUPPORTED_DTYPES.index(tensor.dtype),
-            tensor.numel(), root, sequence] + _shape_fields(tuple(tensor.shape))
+            SUPPORTED_DTYPES.index(dtype) if dtype is not None else -1,
+            numel, root, sequence] + _shape_fields(shape)
 
 
 def _disagreement(collective: str, rows: List[Optional[List[int]]]) -> Optional[str]:
@@ -159,72 +175,42 @@ def agree_on_call(comm: Transport, collective: str, signature: List[int]) -> Non
 
 
 # Algorithms that run on the communicator's own point-to-point messages, whose waits
-# read the call board (transport/shm.py): they are checked after they ran. The others
-# (the backend's own, the hierarchy's threads) wait on the board before they run.
+# read the call board (transport/shm/board.py): they are checked after they ran. The others
+# (the backend's own, the hierarchy's threads) are checked before they run.
 _ON_THE_BOARD = ("ring", "tree", "halving-doubling", "naive")
 
 
-@contextlib.contextmanager
-def _during(comm: Transport, collective: str, algorithm: str, tensor, op=None, root=-1,
-            check=True, runs=None):
-    """Check the call if asked (with a handshake in debug mode), count it, name the
-    collective in any PeerError raised inside, and trace it (`runs`: the algorithm
-    that `algorithm`, perhaps "auto", chose)."""
-    if comm.out_of_step:
-        raise RuntimeError(f"{collective}: refused, an earlier call on this communicator "
-                           f"left its ranks out of step: {comm.out_of_step}")
-    on_board = False
-    if check or DEBUG:
-        signature = call_signature(comm, collective, tensor, op, algorithm, root)
-        on_board = not DEBUG and comm.announce_call(signature)
-        if not on_board:
-            agree_on_call(comm, collective, signature)
-    comm.calls = getattr(comm, "calls", 0) + 1
-    confirmed = not on_board
-    try:
-        if not confirmed and runs not in _ON_THE_BOARD:
-            comm.confirm_call()  # its waits do not read the board: check before it runs
-            confirmed = True
-        with trace.span(f"{collective} {runs or algorithm}", cat="comm",
-                          bytes=tensor.numel() * tensor.element_size()):
-            yield
-        if not confirmed:
-            comm.confirm_call()
-            confirmed = True
-    except CallMismatch as mismatch:
-        comm.release_workspace()  # receives the call left may still land in it
-        raise _out_of_step(comm, collective, mismatch) from None
-    except PeerError as error:
-        comm.release_workspace()
-        if not confirmed:  # perhaps because the ranks made different calls: say so if so
-            try:
-                comm.confirm_call(timeout=2.0)
-            except CallMismatch as mismatch:
-                raise _out_of_step(comm, collective, mismatch) from error
-            except PeerError:
-                pass
-            else:  # every rank made this call: the error was the peers' or the link's
-                comm.out_of_step = f"{collective} call #{comm.calls} failed: {error}"
-                confirmed = True
-        raise PeerError(f"{collective} ({algorithm}, call #{comm.calls}): {error}") from error
-    finally:
-        if not confirmed:  # ended by an error: whatever it left, later calls are refused
-            comm.forget_call()
-            comm.out_of_step = comm.out_of_step or (
-                f"{collective} call #{comm.calls} failed before every rank was seen to "
-                "make the same call")
+class _Collective(Call):
+    """A call of this module's, as the communicator's call check sees it
+    (transport/calls.py): its signature is a row of _signature's, worded by _describe."""
+
+    __slots__ = ()
+
+    def agree(self, comm: Transport) -> None:
+        agree_on_call(comm, self.collective, self.signature)
+
+    def disagreement(self, rows: List[Optional[List[int]]]) -> str:
+        """Named after the first rank's collective, so that it reads the same on
+        every rank."""
+        first = next((row for row in rows if row is not None), None)
+        named = _COLLECTIVES[first[0]] if first else self.collective
+        return (_disagreement(named, rows)
+                or f"{named}: ranks disagree: they announced different calls")
 
 
-def _out_of_step(comm: Transport, collective: str, mismatch: CallMismatch) -> RuntimeError:
-    """The ranks disagreed, seen on the call board: the error every rank raises (named
-    after the first rank's collective, so that it reads the same on every rank). The
-    call's messages may have moved (and be left half read): the communicator refuses
-    every later call."""
-    first = next((row for row in mismatch.rows if row is not None), None)
-    named = _COLLECTIVES[first[0]] if first else collective
-    comm.out_of_step = (_disagreement(named, mismatch.rows)
-                        or f"{named}: ranks disagree: they announced different calls")
-    return RuntimeError(comm.out_of_step)
+def _call(comm: Transport, collective: str, algorithm: str, runs: str, tensor: torch.Tensor,
+          op: Optional[str] = None, root: int = -1, check: bool = True) -> Call:
+    """`collective` on `tensor`, running `runs` (auto's choice, perhaps), for its check:
+    signed when checked, and in debug mode always."""
+    signature = (call_signature(comm, collective, tensor, op, algorithm, root)
+                 if check or DEBUG else None)
+    return _Collective(collective, algorithm, runs, signature, runs in _ON_THE_BOARD, DEBUG)
+
+
+def _traced(call: Call, size: int):
+    """The call's span on the timeline (`size` bytes): the collective and the algorithm
+    that runs."""
+    return trace.span(f"{call.collective} {call.runs}", cat="comm", bytes=size)
 
 
 def _run_reduction(comm: Transport, function, flat: torch.Tensor, op: str, *args) -> None:
@@ -248,8 +234,8 @@ WITHOUT_NATIVE = {"all_reduce": "tree", "broadcast": "tree", "reduce_scatter": "
 def _auto(collective: str, nbytes: int, comm: Transport) -> str:
     """auto's choice for `collective` of `nbytes` on `comm` (algorithms/auto.py),
     remembered on `comm` for its transport, placement and table: working it out again
-    at every call (a few microseconds of Python) made auto 10-15 % slower than the
-    algorithm it chose at 64 KiB on 2 shared cores."""
+    at every call costs more Python than small calls can spare (measured:
+    docs/benchmarks.md, "auto against the quickest fixed algorithm")."""
     basis = comm.auto_choices_for  # what the remembered choices were made for
     if not (basis and basis[0] == comm.name and basis[1] is comm.topology
             and basis[2] is comm.tuning):  # the objects themselves: they are held here
@@ -300,7 +286,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
     chosen = _pick("all_reduce", algorithm, tensor, comm)
     if comm.world_size == 1:
         return tensor
-    with _during(comm, "all_reduce", algorithm, tensor, op, check=check, runs=chosen):
+    call = _call(comm, "all_reduce", algorithm, chosen, tensor, op, check=check)
+    with comm.checked_call(call), _traced(call, nbytes(tensor)):
         if tensor.numel():
             _run_reduction(comm, algorithms.ALL_REDUCE[chosen], tensor.view(-1), op)
     return tensor
@@ -316,7 +303,8 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "auto",
     chosen = _pick("broadcast", algorithm, tensor, comm)
     if comm.world_size == 1:
         return tensor
-    with _during(comm, "broadcast", algorithm, tensor, root=src, check=check, runs=chosen):
+    call = _call(comm, "broadcast", algorithm, chosen, tensor, root=src, check=check)
+    with comm.checked_call(call), _traced(call, nbytes(tensor)):
         if tensor.numel():
             algorithms.BROADCAST[chosen](comm, tensor.view(-1), src)
     return tensor
@@ -337,7 +325,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
                          f"{input.numel()} of {input.dtype}")
     chosen = _pick("reduce_scatter", algorithm, input, comm)
     if comm.world_size > 1:
-        with _during(comm, "reduce_scatter", algorithm, input, op, check=check, runs=chosen):
+        call = _call(comm, "reduce_scatter", algorithm, chosen, input, op, check=check)
+        with comm.checked_call(call), _traced(call, nbytes(input)):
             if input.numel():
                 _run_reduction(comm, algorithms.REDUCE_SCATTER[chosen], input.view(-1), op)
     mine = input.view(-1)[comm.rank * output.numel():(comm.rank + 1) * output.numel()]
@@ -377,7 +366,8 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
     flat[comm.rank * count:(comm.rank + 1) * count].copy_(input.view(-1))
     chosen = _pick("all_gather", algorithm, flat, comm)
     if n > 1:
-        with _during(comm, "all_gather", algorithm, input, check=check, runs=chosen):
+        call = _call(comm, "all_gather", algorithm, chosen, input, check=check)
+        with comm.checked_call(call), _traced(call, nbytes(input)):
             if count:
                 algorithms.ALL_GATHER[chosen](comm, flat)
     if isinstance(output, (list, tuple)):
@@ -387,12 +377,14 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
 
 
 def all_to_all(outputs: List[torch.Tensor], inputs: List[torch.Tensor],
-               comm: Optional[Transport] = None) -> List[torch.Tensor]:
+               comm: Optional[Transport] = None, check: bool = True) -> List[torch.Tensor]:
     """Rank r sends inputs[p] to rank p; outputs[p] receives rank p's inputs[r].
 
     Pieces may differ in size (as torch's all_to_all), but each pair must agree:
     outputs[p] on rank r has the size of inputs[r] on rank p. Pairwise exchange
-    (algorithms/pairwise.py). A wrong size surfaces as PeerError, not as garbage.
+    (algorithms/pairwise.py). A wrong size surfaces as PeerError, not as garbage; the
+    check (check=True) makes sure that every rank is calling all_to_all, with pieces
+    of one dtype.
     """
     comm = comm or get_comm()
     n = comm.world_size
@@ -404,12 +396,15 @@ def all_to_all(outputs: List[torch.Tensor], inputs: List[torch.Tensor],
             _check_tensor(tensor, f"all_to_all: {what} {peer}")
     if any(o.dtype != i.dtype for o, i in zip(outputs, inputs)):
         raise ValueError("all_to_all: outputs and inputs must share one dtype")
-    comm.calls = getattr(comm, "calls", 0) + 1
-    try:
-        algorithms.pairwise.all_to_all(comm, [o.view(-1) for o in outputs],
-                                       [i.view(-1) for i in inputs])
-    except PeerError as error:
-        raise PeerError(f"all_to_all (pairwise, call #{comm.calls}): {error}") from error
+    flat_outputs, flat_inputs = [o.view(-1) for o in outputs], [i.view(-1) for i in inputs]
+    if n == 1:
+        algorithms.pairwise.all_to_all(comm, flat_outputs, flat_inputs)  # a copy
+        return outputs
+    signature = _all_to_all_signature(comm, inputs) if check or DEBUG else None
+    call = _Collective("all_to_all", "pairwise", "pairwise", signature,
+                       waits_read_board=True, handshake_always=DEBUG)  # as the ring's
+    with comm.checked_call(call), _traced(call, sum(nbytes(i) for i in inputs)):
+        algorithms.pairwise.all_to_all(comm, flat_outputs, flat_inputs)
     return outputs
 
 

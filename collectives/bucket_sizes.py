@@ -33,11 +33,10 @@ So, after a few synced steps with DDP's sizes (`Bucketer.profile()`):
        exposed + buckets x c x R / C          (R / C: `cpu_weight`; 0 where cores
                                                are spare)
 
-   On 4 emulated hosts at 1 Gbit/s (2 cores) 1 MiB buckets left the least wait
-   (119 ms a step against torch's DDP's 158) but took 39 ms more CPU a step on every
-   rank, and the step was no quicker than torch's; 1/4 MiB buckets left 97 ms (torch's
-   209 in that run) for 26 ms more CPU, and the step was as quick (trainer.bench, one
-   run each, docs/benchmarks.md).
+   Without the CPU term the replay picks the layout with the least wait, whose many
+   small buckets can take more CPU from backward than the wait they save. Measured:
+   docs/benchmarks.md, "At 1 Gbit/s the step is bound by CPU: the division done by
+   the copy, and buckets that weigh their CPU".
 4. The layout that costs least wins; among layouts within 5 % (or 1 ms) of it, the
    one with the fewest buckets, so a fast link is not flooded with small messages
    for nothing. Every rank takes rank 0's choice.

@@ -203,81 +203,96 @@ class CommWorker:
         self.thread.join(seconds)
 
 
+@dataclass(frozen=True)
+class BucketOptions:
+    """What a face asks of its buckets. The defaults are DDP's; `horovod()` gives
+    Horovod's."""
+    # The cut (both faces): the first bucket small, so communication starts early.
+    bucket_cap_mb: float = 25.0
+    first_bucket_mb: float = 1.0
+    # What a step is: what a missing gradient means (UNUSED_MODES); whether it ends when
+    # backward does (DDP) or when finish() is called (Horovod's optimizer.step()); how
+    # many backward passes it sums (Horovod's backward_passes_per_step).
+    unused: str = "error"
+    finish_after_backward: bool = True
+    passes_per_sync: int = 1
+    # DDP's own: .grad as a view into its bucket; buckets reduced by priority in chunks
+    # of this many bytes (priority.py), with `before_buckets` the step's first job.
+    gradient_as_bucket_view: bool = False
+    priority_chunk_bytes: Optional[int] = None
+    before_buckets: Optional[Callable[[], None]] = None
+    # Horovod's own: sparse gradients (nn.Embedding(sparse=True)) reduced as dense
+    # tensors and handed back sparse; else by `sparse_reduce(param, grad)`, which starts
+    # their reduction and returns a function that waits for the reduced gradient (an
+    # allgather of indices and values: their bucket slot then carries zeros); with
+    # neither, they are refused.
+    sparse_as_dense: bool = False
+    sparse_reduce: Optional[Callable[[torch.Tensor, torch.Tensor],
+                                     Callable[[], torch.Tensor]]] = None
+
+    @classmethod
+    def horovod(cls, bucket_cap_mb: float, passes_per_sync: int, sparse_as_dense: bool,
+                sparse_reduce) -> "BucketOptions":
+        """Horovod's rules: the step ends in optimizer.step(), every gradient reduced
+        (zeros for one that did not arrive)."""
+        return cls(bucket_cap_mb=bucket_cap_mb, unused="zeros", finish_after_backward=False,
+                   passes_per_sync=passes_per_sync, sparse_as_dense=sparse_as_dense,
+                   sparse_reduce=sparse_reduce)
+
+    def check(self) -> None:
+        if self.unused not in UNUSED_MODES:
+            raise ValueError(f"unused={self.unused!r}: choose from {', '.join(UNUSED_MODES)}")
+        if self.priority_chunk_bytes and (self.unused == "detect" or self.gradient_as_bucket_view
+                                          or self.sparse_reduce is not None):
+            raise ValueError("buckets reduced by priority (overlap=\"forward\") are still "
+                             "being reduced after backward, in no other job of the step: "
+                             "find_unused_parameters (static_graph), a sparse reduction "
+                             "and gradient_as_bucket_view are not supported with it")
+
+
 class Bucketer:
     """Flat gradient buckets, filled during backward and reduced on a comm thread."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter],
                  reduce_bucket: Callable[[torch.Tensor], None], comm: Transport,
-                 bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0,
-                 gradient_as_bucket_view: bool = False, unused: str = "error",
-                 finish_after_backward: bool = True, names: Optional[Dict[int, str]] = None,
-                 passes_per_sync: int = 1, sparse_as_dense: bool = False,
-                 sparse_reduce: Optional[Callable[[torch.Tensor, torch.Tensor],
-                                                  Callable[[], torch.Tensor]]] = None,
+                 options: BucketOptions = BucketOptions(),
                  divisor: Optional[Callable[[], Optional[int]]] = None,
-                 priority_chunk_bytes: Optional[int] = None,
-                 before_buckets: Optional[Callable[[], None]] = None):
-        if unused not in UNUSED_MODES:
-            raise ValueError(f"unused={unused!r}: choose from {', '.join(UNUSED_MODES)}")
-        if priority_chunk_bytes and (unused == "detect" or sparse_reduce is not None
-                                     or gradient_as_bucket_view):
-            raise ValueError("buckets reduced by priority (overlap=\"forward\") are still "
-                             "being reduced after backward, in no other job of the step: "
-                             "find_unused_parameters (static_graph), a sparse reduction "
-                             "and gradient_as_bucket_view are not supported with it")
+                 names: Optional[Dict[int, str]] = None):
+        options.check()
         trainable = [p for p in reversed(list(params)) if p.requires_grad]
         self.comm = comm
         self.reduce_bucket = reduce_bucket
-        self.gradient_as_bucket_view = gradient_as_bucket_view
-        self.unused = unused
-        # Sparse gradients (nn.Embedding(sparse=True)) are reduced as dense tensors when
-        # asked, and handed back sparse; else by `sparse_reduce(param, grad)`, which
-        # starts their reduction and returns a function that waits for the reduced
-        # gradient (the Horovod face's allgather of indices and values: their bucket
-        # slot then carries zeros); with neither, they are refused.
-        self.sparse_as_dense = sparse_as_dense
-        self.sparse_reduce = sparse_reduce
+        self.options = options
+        self.gradient_as_bucket_view = options.gradient_as_bucket_view
+        self.unused = options.unused
+        self.sparse_as_dense = options.sparse_as_dense
+        self.sparse_reduce = options.sparse_reduce
         self._sparse: Dict[int, int] = {}  # id(param) -> sparse_dim of its gradient
         self._sparse_reduced: Dict[int, Callable[[], torch.Tensor]] = {}  # id -> wait
-        self.finish_after_backward = finish_after_backward
+        self.finish_after_backward = options.finish_after_backward
         # What every gradient is divided by as it goes in its bucket (None: nothing),
         # asked at the first gradient of each step (SyncStrategy.gradient_divisor)
         self.divisor = divisor
         self._step_divisor: object = _UNASKED
         self.names = names or {}
-        self.buckets: List[Bucket] = []
-        self.where: Dict[int, tuple] = {}  # id(param) -> (bucket index, position)
-        for index, group in enumerate(assign_buckets(trainable, bucket_cap_mb,
-                                                     first_bucket_mb)):
-            offsets, total = [], 0
-            for param in group:
-                offsets.append(total)
-                total += param.numel()
-            buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
-            self.buckets.append(Bucket(index, group, offsets, buffer, [False] * len(group),
-                                       [False] * len(group)))
-            for position, param in enumerate(group):
-                self.where[id(param)] = (index, position)
-        if gradient_as_bucket_view:
-            for bucket in self.buckets:
-                for position, param in enumerate(bucket.params):
-                    slot = bucket.slot(position)
-                    if param.grad is not None:
-                        slot.copy_(param.grad)
-                    param.grad = slot
+        self.buckets, self.where = _cut_into_buckets(trainable, options.bucket_cap_mb,
+                                                     options.first_bucket_mb)
+        if options.gradient_as_bucket_view:
+            _make_grads_views(self.buckets)
         self.enabled = True  # False inside no_sync(): gradients just accumulate
-        self.grad_scale = 1.0  # reduced gradients are multiplied by this (DDP's join)
+        self.grad_scale = 1.0  # reduced gradients are multiplied by this: scale_reduced()
         # Horovod's backward_passes_per_step: a gradient goes in its bucket on its k-th
         # arrival of a step (fewer: at finish(), with what it accumulated).
-        self.passes_per_sync = passes_per_sync
+        self.passes_per_sync = options.passes_per_sync
         self._arrivals = {id(p): 0 for b in self.buckets for p in b.params}
         self.worker = CommWorker(comm.device)
         # Reduced by priority, in chunks (priority.py): finish() then hands the step over
         # instead of waiting, and take() / complete() end it (step_in_forward.py).
         self.priority = None
-        if priority_chunk_bytes:
+        if options.priority_chunk_bytes:
             self.priority = PriorityReducer([b.buffer for b in self.buckets], reduce_bucket,
-                                            comm, priority_chunk_bytes, before_buckets)
+                                            comm, options.priority_chunk_bytes,
+                                            options.before_buckets)
             self.worker.on_stop = self.priority.close
         self.handed_off = False  # finish() returned with the step's reductions in flight
         self.synced_steps = 0  # steps whose reduction completed
@@ -556,6 +571,21 @@ class Bucketer:
             bucket.used = [False] * len(bucket.params)
         self._arrivals = dict.fromkeys(self._arrivals, 0)
 
+    def scale_reduced(self, factor: float) -> None:
+        """Multiply the reduced gradients of the steps from now on by `factor` (DDP's
+        join(): a sum over fewer ranks than the world, scaled as if all took part)."""
+        self.grad_scale = factor
+
+    def continue_from(self, old: "Bucketer") -> None:
+        """Carry on where `old` (the same parameters, cut differently) left off between
+        steps: inside no_sync() or not, its scale, its step count, and which parameters
+        got a gradient since the last reduction. `old` should be closed."""
+        self.enabled, self.grad_scale = old.enabled, old.grad_scale
+        self.synced_steps = old.synced_steps
+        used = {id(p) for b in old.buckets for p, u in zip(b.params, b.used) if u}
+        for bucket in self.buckets:
+            bucket.used = [id(p) in used for p in bucket.params]
+
     def _name(self, param) -> str:
         return self.names.get(id(param), f"<parameter of shape {tuple(param.shape)}>")
 
@@ -563,6 +593,36 @@ class Bucketer:
         for hook in self._hooks:
             hook.remove()
         self.worker.stop()  # its on_stop closes the priority schedule
+
+
+def _cut_into_buckets(trainable: Sequence[torch.nn.Parameter], bucket_cap_mb: float,
+                      first_bucket_mb: float) -> tuple:
+    """The buckets, each with a zeroed flat buffer, and where each parameter's gradient
+    lives: {id(param): (bucket index, position in it)}."""
+    buckets: List[Bucket] = []
+    where: Dict[int, tuple] = {}
+    for index, group in enumerate(assign_buckets(trainable, bucket_cap_mb, first_bucket_mb)):
+        offsets, total = [], 0
+        for param in group:
+            offsets.append(total)
+            total += param.numel()
+        buffer = torch.zeros(total, dtype=group[0].dtype, device=group[0].device)
+        buckets.append(Bucket(index, group, offsets, buffer, [False] * len(group),
+                              [False] * len(group)))
+        for position, param in enumerate(group):
+            where[id(param)] = (index, position)
+    return buckets, where
+
+
+def _make_grads_views(buckets: List[Bucket]) -> None:
+    """gradient_as_bucket_view: every .grad becomes its slot of its bucket (keeping what
+    it held), so backward accumulates straight into the bucket."""
+    for bucket in buckets:
+        for position, param in enumerate(bucket.params):
+            slot = bucket.slot(position)
+            if param.grad is not None:
+                slot.copy_(param.grad)
+            param.grad = slot
 
 
 def _wait_for_every_one(waits: Dict) -> Dict:

@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import os
 import zlib
+from dataclasses import replace
 from typing import List, Optional
 
 import torch
@@ -47,7 +48,7 @@ from torch import nn
 from .api import broadcast_coalesced, gather_rows
 from .world import adopt_torch_group, get_comm
 from .bucket_sizes import choose as choose_bucket_sizes
-from .bucketer import Bucketer
+from .bucketer import Bucketer, BucketOptions
 from .step_in_forward import StepInForward
 from .launch.links import emulated
 from .sync import SyncStrategy, create
@@ -176,10 +177,9 @@ class DistributedDataParallel(nn.Module):
                              f"{first_bucket_mb!r}: use megabytes above 0 (or \"auto\")")
         self.bucketer = None
         self.bucket_choice: Optional[dict] = None  # bucket_cap_mb="auto": what it chose
-        self._bucketer_options = dict(
+        self._bucket_options = BucketOptions(
             gradient_as_bucket_view=gradient_as_bucket_view,
-            unused="detect" if (find_unused_parameters or static_graph) else "error",
-            names={id(p): name for name, p in module.named_parameters()})
+            unused="detect" if (find_unused_parameters or static_graph) else "error")
         # overlap="forward": buckets reduced by priority, the optimizer stepped inside the
         # next forward (step_in_forward.py); the buffers go first on the comm thread
         self.stepper: Optional[StepInForward] = None
@@ -188,8 +188,9 @@ class DistributedDataParallel(nn.Module):
             if auto:  # the rest it cannot take, the bucketer refuses
                 raise ValueError(f"sync {self.sync.name!r} with overlap=\"forward\": "
                                  "bucket_cap_mb=\"auto\" is not supported with it")
-            self._bucketer_options.update(priority_chunk_bytes=self.sync.chunk_bytes,
-                                          before_buckets=self._buffers_before_buckets())
+            self._bucket_options = replace(self._bucket_options,
+                                           priority_chunk_bytes=self.sync.chunk_bytes,
+                                           before_buckets=self._buffers_before_buckets())
         if self.sync.uses_buckets:
             self._make_bucketer(float(cap), float(first_bucket_mb))
         # Re-cut only where one dtype's buckets can be replayed and the strategy keeps
@@ -200,10 +201,12 @@ class DistributedDataParallel(nn.Module):
                                        if p.requires_grad}) == 1)
 
     def _make_bucketer(self, cap_mb: float, first_mb: float) -> None:
+        options = replace(self._bucket_options, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)
         self.bucketer = Bucketer(self.module.parameters(), self.sync.reduce_bucket,
-                                 self.sync.bucket_comm,
-                                 bucket_cap_mb=cap_mb, first_bucket_mb=first_mb,
-                                 divisor=self.sync.gradient_divisor, **self._bucketer_options)
+                                 self.sync.bucket_comm, options,
+                                 divisor=self.sync.gradient_divisor,
+                                 names={id(p): name for name, p in
+                                        self.module.named_parameters()})
         try:
             check_same_buckets(self.bucketer, self.comm)
         except BaseException:  # its hooks must not stay on the model, nor its thread run
@@ -227,12 +230,7 @@ class DistributedDataParallel(nn.Module):
             old = self.bucketer
             old.close()
             self._make_bucketer(cap, first)
-            # inside no_sync() or join(): the new buckets carry on as the old ones were
-            self.bucketer.enabled, self.bucketer.grad_scale = old.enabled, old.grad_scale
-            self.bucketer.synced_steps = old.synced_steps
-            used = {id(p) for b in old.buckets for p, u in zip(b.params, b.used) if u}
-            for bucket in self.bucketer.buckets:
-                bucket.used = [id(p) in used for p in bucket.params]
+            self.bucketer.continue_from(old)  # inside no_sync() or join() too
 
     def step_in_forward(self, optimizer: torch.optim.Optimizer, **options) -> StepInForward:
         """overlap="forward": the optimizer to call step() on, taken inside the next
@@ -374,12 +372,12 @@ class _JoinState:
                                f"{[r for r in range(len(rows)) if r not in active]} ran out "
                                "of inputs (join(throw_on_early_termination=True))")
         scale = 1.0 if self.divide_by_initial_world_size else len(rows) / len(active)
-        ddp.bucketer.grad_scale = scale
+        ddp.bucketer.scale_reduced(scale)
         return max(active)
 
     def shadow_until_all_done(self, ddp: "DistributedDataParallel") -> None:
         """This rank's data ran out: mirror the others' steps until none is left."""
-        ddp.bucketer.grad_scale = 1.0
+        ddp.bucketer.scale_reduced(1.0)
         while True:
             rows = self._exchange(ddp, active=False)
             active = [rank for rank, row in enumerate(rows) if row[0]]

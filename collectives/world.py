@@ -35,7 +35,7 @@ from .launch.census import Census, gpu_count, gpu_ids
 from .launch.environment import LaunchError, LaunchInfo, detect_launch
 from .launch.exit import close_at_exit, install_exit_hooks
 from .launch.links import link_rate_bytes
-from .launch.mpi import mpi_world
+from .launch.lazy_mpi import mpi_world
 from .launch.rendezvous import check_mpi_agrees, rendezvous_address
 from .transport.base import PeerError, Transport
 from .transport.local import LocalTransport
@@ -215,7 +215,7 @@ def init(backend: str = "auto", timeout: Union[None, float, timedelta] = None,
              the CPU), "auto" (a GPU where there is one), "cpu", "cuda" or "cuda:N".
              On gloo and mpi, CUDA tensors go through host memory.
     shm:     point-to-point through shared memory when all ranks share this host
-             (gloo and mpi; see transport/shm.py): "auto" (default: when possible),
+             (gloo and mpi; see transport/shm/): "auto" (default: when possible),
              True (required), False (never). Default from $COLLECTIVES_SHM.
     """
     global _default

@@ -4,6 +4,7 @@ Shared by the gloo tests (spawned ranks, tests/test_faces.py) and the mpi test (
 file run under mpirun). Each check returns something picklable that the caller compares
 across ranks, or raises.
 """
+import contextlib
 import sys
 import time
 import warnings
@@ -14,6 +15,7 @@ from torch import nn
 
 import collectives
 import collectives.horovod as hvd
+from collectives.horovod.engine import engine as horovod_engine
 
 
 def _close(actual, expected, what, **tolerance):
@@ -22,16 +24,32 @@ def _close(actual, expected, what, **tolerance):
 
 # --- Horovod's collectives ----------------------------------------------------------------
 def check_horovod_collectives(comm):
-    """Every collective of the Horovod face, with Horovod's semantics, on this world."""
+    """Every collective of the Horovod face, with Horovod's semantics, on this world:
+    each check below in turn, in the same order on every rank (unnamed calls pair by
+    their number)."""
     hvd.init()
     hvd.init()  # a second init is harmless, as in Horovod
     rank, size = hvd.rank(), hvd.size()
     assert (rank, size) == (comm.rank, comm.world_size)
-    base = torch.arange(1, 13, dtype=torch.float64).view(3, 4)
-    mine = base * (rank + 1)
-    everyone = [base * (r + 1) for r in range(size)]
+    for check in (_check_allreduce, _check_async, _check_grouped_allreduce,
+                  _check_allgather, _check_broadcast, _check_alltoall,
+                  _check_reducescatter, _check_objects, _check_mismatches):
+        check(rank, size)
+    assert hvd.local_size() >= 1 and hvd.cross_size() >= 1 and hvd.nccl_built() == 0
+    mine, _ = _rank_tensors(rank, size)
+    return float(hvd.allreduce(mine, op=hvd.Sum).sum())
 
-    # allreduce: every op, average by default, a new tensor; allreduce_ in place
+
+def _rank_tensors(rank, size):
+    """This rank's 3x4 float64 tensor (1..12 times rank + 1), and every rank's."""
+    base = torch.arange(1, 13, dtype=torch.float64).view(3, 4)
+    return base * (rank + 1), [base * (r + 1) for r in range(size)]
+
+
+def _check_allreduce(rank, size):
+    """Every op, average by default, a new tensor; integers scaled in float64 and
+    averaged without wrapping; allreduce_ in place."""
+    mine, everyone = _rank_tensors(rank, size)
     _close(hvd.allreduce(mine, average=False), sum(everyone), "sum")
     _close(hvd.allreduce(mine), sum(everyone) / size, "average")
     _close(hvd.allreduce(mine, op=hvd.Max), everyone[-1], "max")
@@ -52,7 +70,11 @@ def check_horovod_collectives(comm):
     assert hvd.allreduce_(in_place, op=hvd.Sum) is in_place
     _close(in_place, sum(everyone), "allreduce_")
 
-    # async: a handle that is not done at once, poll, synchronize in any order
+
+def _check_async(rank, size):
+    """A handle that is not done at once, poll, synchronize in any order; a name is
+    taken until its handle is synchronized."""
+    mine, everyone = _rank_tensors(rank, size)
     handles = [hvd.allreduce_async(mine * k, op=hvd.Sum, name=f"t{k}") for k in range(4)]
     assert not all(hvd.poll(h) for h in handles), "every op was done at once: not async"
     for k in reversed(range(4)):
@@ -66,15 +88,20 @@ def check_horovod_collectives(comm):
     hvd.synchronize(first)
     hvd.synchronize(hvd.allreduce_async(mine, name="dup"))  # free again after synchronize
 
-    # grouped, differentiable
+
+def _check_grouped_allreduce(rank, size):
+    """Grouped, and differentiable."""
+    mine, everyone = _rank_tensors(rank, size)
     group = [mine.clone().requires_grad_(), (mine[0] * 2).clone().requires_grad_()]
     outs = hvd.grouped_allreduce(group, op=hvd.Sum)
     _close(outs[1], sum(e[0] * 2 for e in everyone), "grouped")
     (outs[0].sum() + outs[1].sum()).backward()
     _close(group[0].grad, torch.full_like(mine, size), "grouped grad")
 
-    # allgather: first dimensions may differ; its gradient is this rank's rows of the
-    # gradient averaged over ranks (current Horovod's)
+
+def _check_allgather(rank, size):
+    """First dimensions may differ; the gradient is this rank's rows of the gradient
+    averaged over ranks (current Horovod's)."""
     rows = torch.full((rank + 1, 2), float(rank), requires_grad=True)
     gathered = hvd.allgather(rows)
     assert gathered.shape == (sum(r + 1 for r in range(size)), 2)
@@ -83,8 +110,10 @@ def check_horovod_collectives(comm):
     gathered.sum().backward()
     _close(rows.grad, torch.ones(rank + 1, 2), "allgather grad")
 
-    # broadcast: every dtype (int16 too), every root; the gradient, averaged over ranks,
-    # lands on the root
+
+def _check_broadcast(rank, size):
+    """Every dtype (int16 too), every root; the gradient, averaged over ranks, lands on
+    the root."""
     for dtype in (torch.int16, torch.int8, torch.uint8, torch.float16, torch.int64):
         for root in range(size):
             value = torch.full((6,), rank + 1).to(dtype)
@@ -96,7 +125,11 @@ def check_horovod_collectives(comm):
     _close(leaf.grad, torch.full((4,), float(rank + 1 if rank == size - 1 else 0)),
            "broadcast grad")
 
-    # alltoall with uneven splits, and its gradient (the alltoall back)
+
+def _check_alltoall(rank, size):
+    """Uneven splits, and the gradient (the alltoall back); equal parts without splits;
+    the async form returns the received splits always; splits that leave rows out, and
+    splits of the wrong dtype or past the rows."""
     splits = torch.tensor([peer + 1 for peer in range(size)], dtype=torch.int32)
     sent = torch.cat([torch.full((peer + 1, 2), float(100 * rank + peer))
                       for peer in range(size)]).requires_grad_()
@@ -129,16 +162,17 @@ def check_horovod_collectives(comm):
         except ValueError:
             pass
 
-    # reducescatter: uneven first dimension, the first ranks get one row more
+
+def _check_reducescatter(rank, size):
+    """An uneven first dimension, the first ranks get one row more; integer averages
+    round toward zero, as Horovod's, in allreduce and reducescatter alike (rank 0 holds
+    -3, the others 0); int64 stays exact beyond float64's 2^53."""
     full = torch.arange(float((size + 1) * 3)).view(size + 1, 3) * (rank + 1)
     part = hvd.reducescatter(full, op=hvd.Sum)
     total = sum(torch.arange(float((size + 1) * 3)).view(size + 1, 3) * (r + 1)
                 for r in range(size))
     start = 0 if rank == 0 else rank + 1
     _close(part, total[start:start + (2 if rank == 0 else 1)], "reducescatter")
-
-    # integer averages round toward zero, as Horovod's, in allreduce and reducescatter
-    # alike (rank 0 holds -3, the others 0), and int64 stays exact beyond float64's 2^53
     signed = torch.full((size, 2), -3 if rank == 0 else 0, dtype=torch.int32)
     expected = torch.full((2,), int(-3 / size), dtype=torch.int32)
     assert torch.equal(hvd.allreduce(signed)[0], expected), "integer allreduce average"
@@ -146,12 +180,16 @@ def check_horovod_collectives(comm):
     huge = torch.full((3,), 2 ** 53 + 1, dtype=torch.int64)
     assert torch.equal(hvd.allreduce(huge), huge), hvd.allreduce(huge)
 
-    # objects
+
+def _check_objects(rank, size):
+    """Any picklable object, broadcast from rank 0 and gathered from every rank."""
     assert hvd.broadcast_object({"from": rank} if rank == 0 else None) == {"from": 0}
     assert hvd.allgather_object(("rank", rank)) == [("rank", r) for r in range(size)]
     hvd.barrier()
 
-    # a mismatch is an error on every rank, and the job goes on
+
+def _check_mismatches(rank, size):
+    """A mismatch is an error on every rank, and the job goes on; Adasum is refused."""
     for wrong in (torch.ones(3 + rank), torch.ones(3, dtype=torch.float32 if rank else
                                                         torch.float64)):
         try:
@@ -159,14 +197,13 @@ def check_horovod_collectives(comm):
             raise AssertionError("mismatched allreduce did not raise")
         except RuntimeError as error:
             assert "disagree" in str(error), error
+    mine, everyone = _rank_tensors(rank, size)
     try:
         hvd.allreduce(mine, op=hvd.Adasum)
         raise AssertionError("Adasum did not raise")
     except NotImplementedError:
         pass
     _close(hvd.allreduce(mine, op=hvd.Sum), sum(everyone), "after the errors")
-    assert hvd.local_size() >= 1 and hvd.cross_size() >= 1 and hvd.nccl_built() == 0
-    return float(hvd.allreduce(mine, op=hvd.Sum).sum())
 
 
 def check_horovod_join(comm):
@@ -207,7 +244,6 @@ def check_horovod_negotiation(comm):
     rank, and the next collective runs; a name only some ranks submit is reported by
     rank 0's stall inspector (which ranks miss which name), then fails on the ranks that
     submitted it; a sparse allreduce equals the dense one."""
-    from collectives.horovod.ops import engine
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
 
@@ -239,34 +275,23 @@ def check_horovod_negotiation(comm):
            "the next collective after the error")
 
     # a name only the last rank submits: a stall warning on rank 0, then an error
-    # Only rank 0's inspector expires names: its limits are shortened after the barrier
-    # (a rank late to a barrier must not be taken for a stall) and restored before the next.
-    each = engine()
-    hvd.barrier()
-    if rank == 0:
-        limits = each.inspector.warn_after, each.inspector.fail_after
-        each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
-    if rank == size - 1:
-        started = time.monotonic()
-        try:
-            hvd.allreduce(torch.ones(1), name="lonely")
-            raise AssertionError("an allreduce only one rank submitted ran")
-        except hvd.HorovodInternalError as error:
-            assert "stalled" in str(error) and "allreduce.lonely" in str(error), error
-        waited = time.monotonic() - started
-        assert 1.4 < waited < 20, f"the stall error came after {waited:.1f} s"
-    else:  # wait here (not in a collective, which would stall too) until it expired
-        deadline = time.monotonic() + 30
-        while not each.table.entries.get("allreduce.lonely") and time.monotonic() < deadline:
-            time.sleep(0.02)
-        while "allreduce.lonely" in each.table.entries and time.monotonic() < deadline:
-            time.sleep(0.02)
-    if rank == 0:
-        each.inspector.warn_after, each.inspector.fail_after = limits
-        report = each.inspector.reports[-1]
-        missing = [f"rank {r}: [allreduce.lonely]" for r in range(size - 1)]
-        assert all(line in report for line in missing), report
-    hvd.barrier()
+    each = horovod_engine()
+    with _stall_limits_shortened(each, rank):
+        if rank == size - 1:
+            started = time.monotonic()
+            try:
+                hvd.allreduce(torch.ones(1), name="lonely")
+                raise AssertionError("an allreduce only one rank submitted ran")
+            except hvd.HorovodInternalError as error:
+                assert "stalled" in str(error) and "allreduce.lonely" in str(error), error
+            waited = time.monotonic() - started
+            assert 1.4 < waited < 20, f"the stall error came after {waited:.1f} s"
+        else:  # wait here (not in a collective, which would stall too) until it expired
+            _wait_until_come_and_gone(lambda: "allreduce.lonely" in each.table.entries)
+        if rank == 0:
+            report = each.inspector.reports[-1]
+            missing = [f"rank {r}: [allreduce.lonely]" for r in range(size - 1)]
+            assert all(line in report for line in missing), report
 
     # sparse allreduce: an allgather of indices and values, equal to the dense allreduce
     generator = torch.Generator().manual_seed(rank)
@@ -475,9 +500,24 @@ def check_horovod_process_sets(comm):
     set, names scoped per set, unnamed calls numbered per set, DistributedOptimizer
     and broadcast_object over a set, clear errors for a rank outside a set, a
     duplicate set, a removed set, and a name one rank of a set submits alone."""
-    from collectives.horovod.ops import engine
     size = comm.world_size
     assert size >= 3, "needs a set of two ranks and one of one"
+    evens, odds = _made_process_sets(size)
+    rank = hvd.rank()
+    mine = evens if rank % 2 == 0 else odds
+    summed = _check_collectives_in_set(mine, rank)
+    _check_unnamed_per_set(mine, rank, size)
+    left, right = _check_overlapping_sets(rank)
+    _check_optimizer_over_set(evens, rank)
+    _check_name_alone_in_set(evens, rank)
+    _check_removing_sets([left, right, odds], size)
+    return float(hvd.allreduce(summed, op=hvd.Sum).sum())
+
+
+def _made_process_sets(size):
+    """evens given to init() (twice: harmless, the set keeps its id), odds added after;
+    what a set says of itself, and the errors of a rank outside a set, a duplicate set,
+    a rank beyond the world, a root outside the set. Returns (evens, odds)."""
     evens = hvd.ProcessSet(range(0, size, 2))
     hvd.init(process_sets=[evens])
     hvd.init(process_sets=[evens])  # again: harmless, the set keeps its id
@@ -498,7 +538,12 @@ def check_horovod_process_sets(comm):
                                  "beyond the world, or a root outside the set")
         except ValueError:
             pass
+    return evens, odds
 
+
+def _check_collectives_in_set(mine, rank):
+    """Every collective and its gradient among this rank's set only; returns the set's
+    allreduce."""
     members, me = mine.ranks, mine.rank()
     # allreduce, under a name the other set uses at the same time: names are per set
     summed = hvd.allreduce(torch.full((4,), float(rank + 1)), op=hvd.Sum, name="x",
@@ -548,15 +593,21 @@ def check_horovod_process_sets(comm):
            "set sparse allreduce")
     obj = hvd.broadcast_object({"from": rank}, root_rank=members[0], process_set=mine)
     assert obj == {"from": members[0]}, obj
+    return summed
 
-    # unnamed calls are numbered per set: a different number of them in each set, then
-    # an unnamed global allreduce still matches on every rank
+
+def _check_unnamed_per_set(mine, rank, size):
+    """Unnamed calls are numbered per set: a different number of them in each set, then
+    an unnamed global allreduce still matches on every rank."""
     for _ in range(1 + rank % 2):
         hvd.allreduce(torch.ones(1), process_set=mine)
     _close(hvd.allreduce(torch.ones(2), op=hvd.Sum), torch.full((2,), float(size)),
            "unnamed global allreduce after unnamed set ones")
 
-    # two sets that share rank 1, submitted in opposite orders on rank 1 and the others
+
+def _check_overlapping_sets(rank):
+    """Two sets that share rank 1, submitted in opposite orders on rank 1 and the
+    others; returns them."""
     left, right = hvd.add_process_set([0, 1]), hvd.add_process_set([1, 2])
     sets = [s for s in (left, right) if s.included()]
     handles = {s.process_set_id: hvd.allreduce_async(torch.full((2,), float(rank)), op=hvd.Sum,
@@ -565,8 +616,11 @@ def check_horovod_process_sets(comm):
     for s in sets:
         _close(hvd.synchronize(handles[s.process_set_id]),
                torch.full((2,), float(sum(s.ranks))), f"overlapping set {s.ranks}")
+    return left, right
 
-    # DistributedOptimizer over the evens: they end alike; the odds step alone
+
+def _check_optimizer_over_set(evens, rank):
+    """DistributedOptimizer over the evens: they end alike; the odds step alone."""
     torch.manual_seed(0)
     net = nn.Linear(3, 1)
     optimizer = hvd.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
@@ -579,31 +633,28 @@ def check_horovod_process_sets(comm):
     _close(net.weight.detach(), before - 0.1 * sum(grads) / len(grads) * torch.ones(1, 3),
            "optimizer over a set")
 
-    # a name one rank of the evens submits alone: a stall error naming the other
-    each = engine()
-    hvd.barrier()
-    if rank == 0:
-        limits = each.inspector.warn_after, each.inspector.fail_after
-        each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
-    key = "allreduce.alone in process set 1"
-    if rank == 0:
-        try:
-            hvd.allreduce(torch.ones(1), name="alone", process_set=evens)
-            raise AssertionError("an allreduce one rank of a set submitted ran")
-        except hvd.HorovodInternalError as error:
-            assert "stalled" in str(error) and f"rank(s) {evens.ranks[1:]}" in str(error), error
-    else:
-        deadline = time.monotonic() + 30
-        while key not in each.table.entries and time.monotonic() < deadline:
-            time.sleep(0.02)
-        while key in each.table.entries and time.monotonic() < deadline:
-            time.sleep(0.02)
-    if rank == 0:
-        each.inspector.warn_after, each.inspector.fail_after = limits
-    hvd.barrier()
 
-    # removing: the objects lose their ids, a second removal does nothing
-    assert all(hvd.remove_process_set(s) for s in (left, right, odds))
+def _check_name_alone_in_set(evens, rank):
+    """A name one rank of the evens submits alone: a stall error naming the other."""
+    each = horovod_engine()
+    key = "allreduce.alone in process set 1"
+    with _stall_limits_shortened(each, rank):
+        if rank == 0:
+            try:
+                hvd.allreduce(torch.ones(1), name="alone", process_set=evens)
+                raise AssertionError("an allreduce one rank of a set submitted ran")
+            except hvd.HorovodInternalError as error:
+                message = str(error)
+                assert "stalled" in message and f"rank(s) {evens.ranks[1:]}" in message, error
+        else:
+            _wait_until_come_and_gone(lambda: key in each.table.entries)
+
+
+def _check_removing_sets(added, size):
+    """Removing: the objects lose their ids, a second removal does nothing, a removed
+    set takes no collective, and its ranks may form a set again."""
+    odds = added[-1]
+    assert all(hvd.remove_process_set(s) for s in added)
     assert odds.process_set_id is None and odds.size() is None
     assert not hvd.remove_process_set(odds) and not hvd.remove_process_set(hvd.global_process_set)
     try:
@@ -614,41 +665,59 @@ def check_horovod_process_sets(comm):
     again = hvd.add_process_set(list(range(1, size, 2)))  # its ranks are free again
     assert again.process_set_id == 5, again
     hvd.remove_process_set(again)
-    return float(hvd.allreduce(summed, op=hvd.Sum).sum())
 
 
 def check_horovod_join_stalls(comm):
     """join() fails, as a stalled collective does, once it has waited the stall timeout
     with no other rank joining and nothing running, naming the ranks that did not
     join; the next join() then works."""
-    from collectives.horovod.ops import engine
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
-    each = engine()
+    each = horovod_engine()
+    with _stall_limits_shortened(each, rank):
+        if rank == size - 1:
+            started = time.monotonic()
+            try:
+                hvd.join()
+                raise AssertionError("join() returned while the other ranks had not joined")
+            except hvd.HorovodInternalError as error:
+                assert f"rank(s) {list(range(size - 1))} did not join" in str(error), error
+            waited = time.monotonic() - started
+            assert 1.4 < waited < 20, f"join's stall error came after {waited:.1f} s"
+        else:  # not in a collective (it would stall too): wait until the join has failed
+            _wait_until_come_and_gone(lambda: bool(each.table.joined))
+        if rank == 0:
+            assert "waited in join()" in each.inspector.reports[-1], each.inspector.reports
+    return hvd.join()
+
+
+# --- stalls, provoked on purpose -------------------------------------------------------------
+@contextlib.contextmanager
+def _stall_limits_shortened(each, rank):
+    """Inside, rank 0's stall inspector (the only one that expires names) warns after
+    0.3 s and fails after 1.5 s. Shortened after a barrier (a rank late to a barrier
+    must not be taken for a stall), restored before the barrier that ends it."""
     hvd.barrier()
     if rank == 0:
         limits = each.inspector.warn_after, each.inspector.fail_after
         each.inspector.warn_after, each.inspector.fail_after = 0.3, 1.5
-    if rank == size - 1:
-        started = time.monotonic()
-        try:
-            hvd.join()
-            raise AssertionError("join() returned while the other ranks had not joined")
-        except hvd.HorovodInternalError as error:
-            assert f"rank(s) {list(range(size - 1))} did not join" in str(error), error
-        waited = time.monotonic() - started
-        assert 1.4 < waited < 20, f"join's stall error came after {waited:.1f} s"
-    else:  # not in a collective (it would stall too): wait until the join has failed
-        deadline = time.monotonic() + 30
-        while not each.table.joined and time.monotonic() < deadline:
-            time.sleep(0.02)
-        while each.table.joined and time.monotonic() < deadline:
-            time.sleep(0.02)
-    if rank == 0:
-        each.inspector.warn_after, each.inspector.fail_after = limits
-        assert "waited in join()" in each.inspector.reports[-1], each.inspector.reports
+    try:
+        yield
+    finally:
+        if rank == 0:
+            each.inspector.warn_after, each.inspector.fail_after = limits
     hvd.barrier()
-    return hvd.join()
+
+
+def _wait_until_come_and_gone(present, seconds=30.0):
+    """Wait, outside any collective (one would stall too), until `present()` has held
+    and holds no more: a name that another rank submitted alone entered the table and
+    expired. Gives up after `seconds`; the checks that follow then fail."""
+    deadline = time.monotonic() + seconds
+    while not present() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    while present() and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def check_horovod_face(comm):

@@ -58,7 +58,7 @@ def _refused(call, *words) -> str:
 def check_horovod_unnamed_stay_paired(comm):
     """Refusals while a rank is joined, a disagreement, arguments refused in the caller,
     then a stray unnamed call that stalls: pairing never shifts."""
-    from collectives.horovod.ops import engine, forget_engines
+    from collectives.horovod.engine import forget_engines
     hvd.init()
     rank, size, last = hvd.rank(), hvd.size(), hvd.size() - 1
 
@@ -99,7 +99,7 @@ def check_horovod_unnamed_stall_stops_every_rank(comm):
     """Rank 0 alone makes one unnamed call: at the stall timeout every rank's engine
     stops, with one line (rank 0's inspector shortened, after a barrier); engines
     started afresh pair again."""
-    from collectives.horovod.ops import engine, forget_engines
+    from collectives.horovod.engine import engine, forget_engines
     hvd.init()
     rank, size = hvd.rank(), hvd.size()
     _three_unnamed_sums(size, "before")
@@ -142,7 +142,7 @@ def check_horovod_reducescatter_rounds_once(comm):
             _equal(whole, truth, f"allreduce {dtype} postscale {postscale}")
             _equal(mine, truth[rank:rank + 1], f"reducescatter {dtype} postscale {postscale}")
             results.append(mine.tolist())
-    from collectives.horovod.ops import forget_engines
+    from collectives.horovod.engine import forget_engines
     forget_engines()
     return results
 

@@ -29,8 +29,9 @@ import random
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import Dict, List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
@@ -175,103 +176,162 @@ class Issued(NamedTuple):
     truth: object         # the true value, None: nothing to compare on this rank
 
 
+@dataclass
+class Prepared:
+    """One rank's side of a call about to be issued: its tensor, every rank's, and the
+    mistake's changes (an op, a short list, a dtype of the wrong kind)."""
+    call: Call
+    group: object
+    rank: int
+    size: int
+    shape: tuple
+    mine: torch.Tensor
+    everyone: List[torch.Tensor]
+    op: str
+    short: int
+    odd_dtype: torch.dtype
+
+    def root(self) -> int:
+        return dist.get_global_rank(self.group, self.call.root)
+
+    def zeros(self, shape, dtype=None) -> torch.Tensor:
+        return laid_out(torch.zeros(shape, dtype=dtype or self.call.dtype), self.call.layout)
+
+    def wrong_or_own_dtype(self) -> torch.dtype:
+        return self.odd_dtype if self.call.mistake == "wrong_dtype" else self.call.dtype
+
+
 def issue(call: Call, group, rank: int, size: int) -> Issued:
     """Make this rank's tensors for `call` and issue it on `group` (rank/size within the
     group); raise whatever the backend raises when it is called."""
-    c, op, async_op = call.collective, call.op, call.asynchronous
     shape = shape_of(call)
     mine = laid_out(values(call, rank, shape), call.layout)
     everyone = [values(call, r, shape) for r in range(size)]
-    mistake = call.mistake
-    if mistake == "float_bitwise" and c in ("all_reduce", "reduce", "reduce_scatter",
-                                            "reduce_scatter_tensor"):
+    op = call.op
+    if call.mistake == "float_bitwise" and call.collective in (
+            "all_reduce", "reduce", "reduce_scatter", "reduce_scatter_tensor"):
         mine, everyone = mine.float(), [e.float() for e in everyone]
         op = "band"
     # (a list the root alone holds, too short, is refused there alone, by gloo too, and
     # the others wait out the timeout: not drawn)
-    short = 1 if mistake == "short_list" and c not in ("gather", "scatter") else 0
+    short = 1 if call.mistake == "short_list" and call.collective not in ("gather",
+                                                                           "scatter") else 0
     odd_dtype = torch.int64 if call.dtype != torch.int64 else torch.float32
-    if c == "all_reduce":
-        work = dist.all_reduce(mine, torch_op(op), group=group, async_op=async_op)
-        return Issued(work, mine, reduced(everyone, op))
-    if c == "reduce":
-        work = dist.reduce(mine, dist.get_global_rank(group, call.root), torch_op(op),
-                           group=group, async_op=async_op)
-        return Issued(work, mine, reduced(everyone, op) if rank == call.root else None)
-    if c == "broadcast":
-        work = dist.broadcast(mine, dist.get_global_rank(group, call.root), group=group,
-                              async_op=async_op)
-        return Issued(work, mine, everyone[call.root])
-    if c == "all_gather":
-        dtype = odd_dtype if mistake == "wrong_dtype" else call.dtype
-        outputs = [laid_out(torch.zeros(shape, dtype=dtype), call.layout)
-                   for _ in range(size - short)]
-        work = dist.all_gather(outputs, mine, group=group, async_op=async_op)
-        return Issued(work, outputs, everyone)
-    if c == "all_gather_into_tensor":
-        out = laid_out(torch.zeros((size * shape[0],) + tuple(shape[1:]) if shape
-                                   else (size,), dtype=odd_dtype if mistake == "wrong_dtype"
-                                   else call.dtype), call.layout)
-        work = dist.all_gather_into_tensor(out, mine, group=group, async_op=async_op)
-        return Issued(work, out, torch.stack(everyone).view(out.shape) if shape
-                      else torch.stack(everyone))
-    if c == "reduce_scatter":
-        inputs = [laid_out(values(call, rank, shape, salt=p), call.layout)
-                  for p in range(size - short)]
-        out = laid_out(torch.zeros(shape, dtype=inputs[0].dtype if inputs else call.dtype),
-                       call.layout)
-        if mistake == "float_bitwise":
-            inputs, out = [i.float() for i in inputs], out.float()
-        work = dist.reduce_scatter(out, inputs, torch_op(op), group=group, async_op=async_op)
-        truth = reduced([values(call, r, shape, salt=rank) for r in range(size)], op)
-        return Issued(work, out, truth.float() if mistake == "float_bitwise" else truth)
-    if c == "reduce_scatter_tensor":
-        rows = (shape[0] if shape else 1)
-        big = (size * rows,) + tuple(shape[1:])
-        full = [values(call, r, big) for r in range(size)]
-        if mistake == "float_bitwise":
-            full = [f.float() for f in full]
-        mine = laid_out(full[rank], call.layout)
-        out = laid_out(torch.zeros(shape if shape else (1,), dtype=mine.dtype), call.layout)
-        work = dist.reduce_scatter_tensor(out, mine, torch_op(op), group=group,
-                                          async_op=async_op)
-        return Issued(work, out, reduced(full, op)[rank * rows:(rank + 1) * rows]
-                      .view(out.shape))
-    if c == "all_to_all":
-        pieces = [laid_out(values(call, rank, shape, salt=p), call.layout)
-                  for p in range(size)]
-        outputs = [laid_out(torch.zeros(shape, dtype=odd_dtype if mistake == "wrong_dtype"
-                                        else call.dtype), call.layout)
-                   for _ in range(size - short)]
-        work = dist.all_to_all(outputs, pieces, group=group, async_op=async_op)
-        return Issued(work, outputs, [values(call, p, shape, salt=rank) for p in range(size)])
-    if c == "all_to_all_single":
-        rows = size * (shape[0] if shape else 1)
-        big = (rows,) + tuple(shape[1:]) if shape else ()
-        full = [values(call, r, big) for r in range(size)]
-        mine = laid_out(full[rank], call.layout)
-        out = laid_out(torch.zeros(big, dtype=odd_dtype if mistake == "wrong_dtype"
-                                   else call.dtype), call.layout)
-        work = dist.all_to_all_single(out, mine, group=group, async_op=async_op)
-        share = rows // size if rows else 0
-        truth = torch.cat([full[p][rank * share:(rank + 1) * share] for p in range(size)]) \
-            if big else None
-        return Issued(work, out, truth)
-    if c == "gather":
-        outputs = [laid_out(torch.zeros(shape, dtype=call.dtype), call.layout)
-                   for _ in range(size - short)] if rank == call.root else None
-        work = dist.gather(mine, outputs, dist.get_global_rank(group, call.root), group=group,
-                           async_op=async_op)
-        return Issued(work, outputs, everyone if rank == call.root else None)
-    if c == "scatter":
-        out = laid_out(torch.zeros(shape, dtype=call.dtype), call.layout)
-        inputs = [laid_out(values(call, call.root, shape, salt=p), call.layout)
-                  for p in range(size - short)] if rank == call.root else None
-        work = dist.scatter(out, inputs, dist.get_global_rank(group, call.root), group=group,
-                            async_op=async_op)
-        return Issued(work, out, values(call, call.root, shape, salt=rank))
-    work = dist.barrier(group=group, async_op=async_op)
-    return Issued(work, None, None)
+    side = Prepared(call, group, rank, size, shape, mine, everyone, op, short, odd_dtype)
+    return _ISSUERS.get(call.collective, _issue_barrier)(side)
+
+
+def _issue_all_reduce(p: Prepared) -> Issued:
+    work = dist.all_reduce(p.mine, torch_op(p.op), group=p.group, async_op=p.call.asynchronous)
+    return Issued(work, p.mine, reduced(p.everyone, p.op))
+
+
+def _issue_reduce(p: Prepared) -> Issued:
+    work = dist.reduce(p.mine, p.root(), torch_op(p.op), group=p.group,
+                       async_op=p.call.asynchronous)
+    return Issued(work, p.mine, reduced(p.everyone, p.op) if p.rank == p.call.root else None)
+
+
+def _issue_broadcast(p: Prepared) -> Issued:
+    work = dist.broadcast(p.mine, p.root(), group=p.group, async_op=p.call.asynchronous)
+    return Issued(work, p.mine, p.everyone[p.call.root])
+
+
+def _issue_all_gather(p: Prepared) -> Issued:
+    outputs = [p.zeros(p.shape, p.wrong_or_own_dtype()) for _ in range(p.size - p.short)]
+    work = dist.all_gather(outputs, p.mine, group=p.group, async_op=p.call.asynchronous)
+    return Issued(work, outputs, p.everyone)
+
+
+def _issue_all_gather_into_tensor(p: Prepared) -> Issued:
+    shape = p.shape
+    out = p.zeros((p.size * shape[0],) + tuple(shape[1:]) if shape else (p.size,),
+                  p.wrong_or_own_dtype())
+    work = dist.all_gather_into_tensor(out, p.mine, group=p.group,
+                                       async_op=p.call.asynchronous)
+    return Issued(work, out, torch.stack(p.everyone).view(out.shape) if shape
+                  else torch.stack(p.everyone))
+
+
+def _issue_reduce_scatter(p: Prepared) -> Issued:
+    call = p.call
+    inputs = [laid_out(values(call, p.rank, p.shape, salt=q), call.layout)
+              for q in range(p.size - p.short)]
+    out = p.zeros(p.shape, inputs[0].dtype if inputs else call.dtype)
+    if call.mistake == "float_bitwise":
+        inputs, out = [i.float() for i in inputs], out.float()
+    work = dist.reduce_scatter(out, inputs, torch_op(p.op), group=p.group,
+                               async_op=call.asynchronous)
+    truth = reduced([values(call, r, p.shape, salt=p.rank) for r in range(p.size)], p.op)
+    return Issued(work, out, truth.float() if call.mistake == "float_bitwise" else truth)
+
+
+def _issue_reduce_scatter_tensor(p: Prepared) -> Issued:
+    call, shape = p.call, p.shape
+    rows = (shape[0] if shape else 1)
+    big = (p.size * rows,) + tuple(shape[1:])
+    full = [values(call, r, big) for r in range(p.size)]
+    if call.mistake == "float_bitwise":
+        full = [f.float() for f in full]
+    mine = laid_out(full[p.rank], call.layout)
+    out = p.zeros(shape if shape else (1,), mine.dtype)
+    work = dist.reduce_scatter_tensor(out, mine, torch_op(p.op), group=p.group,
+                                      async_op=call.asynchronous)
+    return Issued(work, out, reduced(full, p.op)[p.rank * rows:(p.rank + 1) * rows]
+                  .view(out.shape))
+
+
+def _issue_all_to_all(p: Prepared) -> Issued:
+    call = p.call
+    pieces = [laid_out(values(call, p.rank, p.shape, salt=q), call.layout)
+              for q in range(p.size)]
+    outputs = [p.zeros(p.shape, p.wrong_or_own_dtype()) for _ in range(p.size - p.short)]
+    work = dist.all_to_all(outputs, pieces, group=p.group, async_op=call.asynchronous)
+    return Issued(work, outputs, [values(call, q, p.shape, salt=p.rank) for q in range(p.size)])
+
+
+def _issue_all_to_all_single(p: Prepared) -> Issued:
+    call, shape = p.call, p.shape
+    rows = p.size * (shape[0] if shape else 1)
+    big = (rows,) + tuple(shape[1:]) if shape else ()
+    full = [values(call, r, big) for r in range(p.size)]
+    mine = laid_out(full[p.rank], call.layout)
+    out = p.zeros(big, p.wrong_or_own_dtype())
+    work = dist.all_to_all_single(out, mine, group=p.group, async_op=call.asynchronous)
+    share = rows // p.size if rows else 0
+    truth = torch.cat([full[q][p.rank * share:(p.rank + 1) * share] for q in range(p.size)]) \
+        if big else None
+    return Issued(work, out, truth)
+
+
+def _issue_gather(p: Prepared) -> Issued:
+    at_root = p.rank == p.call.root
+    outputs = [p.zeros(p.shape) for _ in range(p.size - p.short)] if at_root else None
+    work = dist.gather(p.mine, outputs, p.root(), group=p.group, async_op=p.call.asynchronous)
+    return Issued(work, outputs, p.everyone if at_root else None)
+
+
+def _issue_scatter(p: Prepared) -> Issued:
+    call = p.call
+    out = p.zeros(p.shape)
+    inputs = [laid_out(values(call, call.root, p.shape, salt=q), call.layout)
+              for q in range(p.size - p.short)] if p.rank == call.root else None
+    work = dist.scatter(out, inputs, p.root(), group=p.group, async_op=call.asynchronous)
+    return Issued(work, out, values(call, call.root, p.shape, salt=p.rank))
+
+
+def _issue_barrier(p: Prepared) -> Issued:
+    return Issued(dist.barrier(group=p.group, async_op=p.call.asynchronous), None, None)
+
+
+_ISSUERS = {
+    "all_reduce": _issue_all_reduce, "reduce": _issue_reduce, "broadcast": _issue_broadcast,
+    "all_gather": _issue_all_gather, "all_gather_into_tensor": _issue_all_gather_into_tensor,
+    "reduce_scatter": _issue_reduce_scatter,
+    "reduce_scatter_tensor": _issue_reduce_scatter_tensor,
+    "all_to_all": _issue_all_to_all, "all_to_all_single": _issue_all_to_all_single,
+    "gather": _issue_gather, "scatter": _issue_scatter,
+}
 
 
 def works(group, rank: int, size: int) -> bool:

@@ -13,7 +13,7 @@ import time
 import torch
 
 import collectives
-from collectives.elastic.world import ElasticWorld
+from collectives.elastic.generations import ElasticWorld
 
 
 def main():

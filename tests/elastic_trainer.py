@@ -21,7 +21,7 @@ import collectives
 from collectives.elastic.sampler import ElasticSampler
 from collectives.elastic.membership import MembershipError
 from collectives.elastic.state import State, run
-from collectives.elastic.world import ElasticWorld
+from collectives.elastic.generations import ElasticWorld
 
 BATCH = 8
 

@@ -44,7 +44,6 @@ import time
 from dataclasses import dataclass
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 RANK_TIMEOUT = 10      # seconds: collectives.init(timeout=...) in every rank
 JOB_LIMIT = 120        # seconds before a job counts as hung
 CASES = ("end", "ddp", "stall", "async", "init-fail", "raise", "sys-exit", "interrupt")
@@ -150,14 +149,14 @@ def _stall_with_a_reduction_in_flight(comm) -> None:
     mpirun, rank 0's MPI_Finalize waits for rank 1's."""
     import torch
     import collectives
-    from collectives.bucketer import Bucketer
+    from collectives.bucketer import Bucketer, BucketOptions
     from collectives.launch.exit import EXIT_GRACE_SECONDS
     pids = torch.zeros(comm.world_size, dtype=torch.int64)
     pids[comm.rank] = os.getpid()
     collectives.all_reduce(pids, op="sum")  # every rank's pid
     model = torch.nn.Linear(20, 4)
     bucketer = Bucketer(list(model.parameters()), lambda flat: collectives.all_reduce(flat),
-                        comm, finish_after_backward=False, unused="zeros")
+                        comm, BucketOptions(finish_after_backward=False, unused="zeros"))
     ending = os.path.join(os.environ["EXIT_CLEANLY_DIR"], "rank-0-ending")
     if comm.rank == 0:
         model(torch.randn(8, 20)).sum().backward()  # the bucket goes to the comm thread
@@ -258,13 +257,12 @@ class Outcome:
 
 
 def command(launcher: str, case: str, nprocs: int) -> list:
-    rank = [sys.executable, os.path.join(HERE, "exit_cleanly.py"), "rank", case]
+    from launchers import mpirun, python, torchrun  # not in the ranks: they need none
+    rank = python(os.path.join(HERE, "exit_cleanly.py"), "rank", case)
     if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                str(nprocs), "--no-python", *rank, "gloo"]
+        return torchrun(nprocs, "--no-python", *rank, "gloo")
     if launcher.startswith("mpirun"):
-        from collectives.launch.mpirun import find_mpirun
-        return [find_mpirun()[0], "-np", str(nprocs), *rank, launcher.split("-")[1]]
+        return mpirun(nprocs, *rank, launcher.split("-")[1])
     return [*rank, "gloo"]
 
 
@@ -277,9 +275,8 @@ def _shm_files() -> set:
 
 def run_job(launcher: str, case: str, nprocs: int = 2) -> Outcome:
     errors = tempfile.mkdtemp(prefix="exit-cleanly-")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, EXIT_CLEANLY_DIR=errors)
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
+    from launchers import rank_env
+    env = rank_env(EXIT_CLEANLY_DIR=errors)
     before = _shm_files()
     started = time.monotonic()
     try:

@@ -26,6 +26,7 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from distributed import run_world  # noqa: E402
+from launchers import mpirun, python, rank_env, run, trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT = 5.0  # the init timeout the cases run with
@@ -207,14 +208,11 @@ except collectives.PeerError as error:
 
 def case_mpi_stall_under_mpirun():
     """The mpi backend under real mpirun: a hung rank, the others time out and exit 1."""
-    from collectives.launch.mpirun import find_mpirun
     started = time.time()
     with tempfile.TemporaryDirectory() as folder:
         report = os.path.join(folder, "errors.txt")
-        result = subprocess.run([find_mpirun()[0], "-np", "3", sys.executable, "-c",
-                                 MPI_STALL.format(timeout=TIMEOUT, report=report)],
-                                capture_output=True, text=True, timeout=120,
-                                env=dict(os.environ, OMP_NUM_THREADS="1"))
+        result = run(mpirun(3, *python("-c", MPI_STALL.format(timeout=TIMEOUT, report=report))),
+                     timeout=120, check=False)
         seconds = time.time() - started
         lines = open(report).read().splitlines() if os.path.exists(report) else []
     ok = (result.returncode != 0 and 1 <= len(lines) <= 2  # the first abort may end the other
@@ -265,19 +263,15 @@ def case_checkpoint_killed_during_saves(runs=10):
 
 def case_resume_after_kill():
     """Kill a 2-rank training run during epoch 2; resume; compare with a straight run."""
-    from collectives.launch.mpirun import find_mpirun
-    mpirun = find_mpirun()[0]
     flags = ["--train-samples", "128", "--test-samples", "32", "--batch-size", "16",
              "--epochs", "2", "--backend", "gloo"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     with tempfile.TemporaryDirectory() as folder:
-        def trainer(*extra):
-            return [mpirun, "-np", "2", sys.executable, "-m", "trainer", *flags, *extra]
-        subprocess.run(trainer("--checkpoint-dir", "straight"), cwd=folder, env=env, check=True,
-                       capture_output=True, timeout=300)
-        job = subprocess.Popen(trainer("--checkpoint-dir", "killed"), cwd=folder, env=env,
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                               start_new_session=True)
+        def two_ranks(*extra):
+            return mpirun(2, *trainer(*flags, *extra))
+        run(two_ranks("--checkpoint-dir", "straight"), cwd=folder, timeout=300)
+        job = subprocess.Popen(two_ranks("--checkpoint-dir", "killed"), cwd=folder,
+                               env=rank_env(), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
         saved = os.path.join(folder, "killed", "checkpoint.pt")
         deadline = time.time() + 300
         while not os.path.exists(saved) and time.time() < deadline and job.poll() is None:
@@ -286,8 +280,8 @@ def case_resume_after_kill():
         os.killpg(job.pid, signal.SIGKILL)  # the whole job, mpirun and ranks
         job.wait()
         started = time.time()
-        subprocess.run(trainer("--checkpoint-dir", "killed", "--resume", "killed/checkpoint.pt"),
-                       cwd=folder, env=env, check=True, capture_output=True, timeout=300)
+        run(two_ranks("--checkpoint-dir", "killed", "--resume", "killed/checkpoint.pt"),
+            cwd=folder, timeout=300)
         straight = torch.load(os.path.join(folder, "straight", "checkpoint.pt"),
                               weights_only=False)
         resumed = torch.load(saved, weights_only=False)

@@ -280,7 +280,7 @@ def run_seeds(comm, seeds, steps: int = 24):
     checker = Checker()
     for seed in seeds:
         run_seed(hvd, seed, checker, steps)
-    from collectives.horovod.ops import forget_engines
+    from collectives.horovod.engine import forget_engines
     forget_engines()
     return checker.calls, checker.wrong
 

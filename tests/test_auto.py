@@ -6,7 +6,6 @@ topology of several hosts can be written down instead of built.
 import json
 import os
 import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
@@ -18,6 +17,7 @@ from collectives import api
 from collectives.algorithms import auto, tuning
 from collectives.transport.topology import Topology
 from distributed import run_world
+from launchers import python, rank_env, run
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [1, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
@@ -126,13 +126,7 @@ def test_auto_remembers_its_choice_but_not_across_tables():
 
 def python_m(module: str, *args: str, env=None) -> subprocess.CompletedProcess:
     """`python -m module args` as a user starts it (no launcher's variables)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    result = subprocess.run([sys.executable, "-m", module, *args], capture_output=True,
-                            text=True, env=env, timeout=200)
-    assert result.returncode == 0, result.stderr
-    return result
+    return run(python("-m", module, *args), env=rank_env(**(env or {})), timeout=200)
 
 
 @pytest.mark.timeout(240)

@@ -45,6 +45,20 @@ def call_with_collective_by_rank_each_its_algorithm(comm):  # native against the
         collectives.all_reduce(torch.ones(1000))
 
 
+def call_all_to_all_against_all_reduce(comm):
+    if comm.rank == 0:
+        collectives.all_to_all([torch.zeros(10) for _ in range(comm.world_size)],
+                               [torch.ones(10) for _ in range(comm.world_size)])
+    else:
+        collectives.all_reduce(torch.ones(1000), algorithm="ring")
+
+
+def call_all_to_all_with_dtype_by_rank(comm):
+    dtype = torch.float32 if comm.rank == 0 else torch.float64
+    collectives.all_to_all([torch.zeros(10, dtype=dtype) for _ in range(comm.world_size)],
+                           [torch.ones(10, dtype=dtype) for _ in range(comm.world_size)])
+
+
 # shm "on": the whole world on one host, checked on the call board (no message of its
 # own; a disagreement is caught during or after the exchange); "off": the handshake.
 @pytest.mark.timeout(120)
@@ -58,6 +72,8 @@ def call_with_collective_by_rank_each_its_algorithm(comm):  # native against the
     (call_with_collective_by_rank, ["rank 0 called broadcast", "rank 1 called all_reduce"]),
     (call_with_collective_by_rank_each_its_algorithm,
      ["rank 0 called broadcast", "algorithm=native", "rank 1 called all_reduce"]),
+    (call_all_to_all_against_all_reduce, ["rank 0 called all_to_all", "rank 1 called all_reduce"]),
+    (call_all_to_all_with_dtype_by_rank, ["called all_to_all dtype=float32", "dtype=float64"]),
 ])
 def test_mismatch_raises_on_every_rank_naming_both_sides(function, words, shm):
     results = run_world_collecting_errors(function, 3, timeout=90, shm=shm)

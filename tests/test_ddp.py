@@ -1,14 +1,12 @@
 """Our DistributedDataParallel gives torch DDP's answer (CPU, gloo, spawned ranks)."""
 import os
-import subprocess
-import sys
 
 import pytest
 
 from checks_ddp import (auto_buckets_equal_torch_ddp, auto_buckets_inside_no_sync,
                         compare_with_torch_ddp, train_ours)
-from collectives.launch.mpirun import find_mpirun
 from distributed import run_world, run_world_collecting_errors
+from launchers import ROOT, TESTS, mpirun, python, run
 
 
 def assert_same_on_every_rank(digests):
@@ -82,11 +80,7 @@ def test_mismatched_models_fail_clearly_on_every_rank():
 @pytest.mark.timeout(300)
 def test_mpi_backend_equals_gloo():
     gloo = run_world(_train_ours_ring, 3, timeout=120)
-    path, _ = find_mpirun()
-    here = os.path.dirname(os.path.abspath(__file__))
-    out = subprocess.run([path, "-np", "3", sys.executable, "checks_ddp.py"], cwd=here,
-                         capture_output=True, text=True, timeout=240,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = run(mpirun(3, *python("checks_ddp.py")), cwd=TESTS, timeout=240, check=False)
     assert out.returncode == 0, out.stderr
     digests = [line.split()[-1] for line in out.stdout.splitlines() if "digest" in line]
     assert len(digests) == 3 and set(digests) == {gloo[0]}, (digests, gloo)
@@ -106,16 +100,13 @@ def test_horovod_face_equals_torch_ddp(compression):
 
 @pytest.mark.timeout(300)
 def test_horovod_mnist_example_runs_under_mpirun():
-    here = os.path.dirname(os.path.abspath(__file__))
-    data = os.path.join(os.path.dirname(here), "..", "shared", "data")
+    data = os.path.join(ROOT, "..", "shared", "data")
     if not os.path.isdir(os.path.join(data, "MNIST", "raw")):
         pytest.skip(f"MNIST not found at {data}")
-    path, _ = find_mpirun()
-    out = subprocess.run([path, "-np", "2", sys.executable, "../examples/horovod_mnist.py",
-                          "--data-dir", data, "--epochs", "2", "--lr", "0.05", "--momentum", "0.9",
-                          "--log-interval", "20"],
-                         cwd=here, capture_output=True, text=True, timeout=280,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    out = run(mpirun(2, *python("../examples/horovod_mnist.py", "--data-dir", data,
+                                "--epochs", "2", "--lr", "0.05", "--momentum", "0.9",
+                                "--log-interval", "20")),
+              cwd=TESTS, timeout=280, check=False)
     assert out.returncode == 0, out.stderr
     accuracy = float(out.stdout.split("Accuracy: ")[-1].rstrip().rstrip("%"))
     assert accuracy > 80, out.stdout  # two epochs of 4000 digits: it learns

@@ -6,7 +6,6 @@ store of its own, and reads what each member saved at the end."""
 import json
 import os
 import subprocess
-import sys
 import time
 
 import numpy as np
@@ -15,9 +14,7 @@ import torch
 
 from collectives.elastic.store import serve
 from distributed import run_world
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from launchers import ROOT, TESTS, python, rank_env, run, trainer
 
 
 class Job:
@@ -25,12 +22,10 @@ class Job:
         self.store, self.folder, self.members = serve(0), folder, {}
 
     def start(self, name, *flags):
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
         self.members[name] = subprocess.Popen(
-            [sys.executable, os.path.join(HERE, "elastic_trainer.py"), str(self.store.port),
-             name, str(self.folder / f"{name}.pt"), *flags],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+            python(os.path.join(TESTS, "elastic_trainer.py"), str(self.store.port), name,
+                   str(self.folder / f"{name}.pt"), *flags),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=rank_env())
 
     def finish(self, timeout=150):
         """{name: (exit code, stderr)}; kills every member if one outlives `timeout`."""
@@ -173,11 +168,9 @@ def test_sync_sends_the_state_only_where_members_hold_different_commits(alike):
 @pytest.mark.parametrize("role", ["dropper", "holder"])
 def test_a_member_that_drops_its_communicator_ends_a_peers_wait_at_once(tmp_path, role):
     store = serve(0)
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    members = [subprocess.Popen([sys.executable, os.path.join(HERE, "elastic_blocked.py"),
-                                 str(store.port), role], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True, env=env)
+    members = [subprocess.Popen(python(os.path.join(TESTS, "elastic_blocked.py"),
+                                       str(store.port), role), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True, env=rank_env())
                for role in ("waiter", role)]
     try:
         out, err = members[0].communicate(timeout=100)
@@ -204,18 +197,14 @@ class TrainerJob:
         self.store, self.folder, self.launched, self.ranks = serve(0), folder, launched, []
 
     def start(self, *flags, rank=None):
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(name, None)
+        env = rank_env()
         if rank is not None:
             env.update(RANK=str(rank), WORLD_SIZE=str(self.launched))
         out = open(self.folder / f"out-{len(self.ranks)}.txt", "w+")
         self.ranks.append((subprocess.Popen(
-            [sys.executable, "-m", "trainer", "--elastic", "--store",
-             f"127.0.0.1:{self.store.port}", "--metrics", str(self.folder / "metrics.jsonl"),
-             *TRAINER_FLAGS, *flags], stdout=out, stderr=subprocess.STDOUT, env=env,
-            cwd=ROOT), out))
+            trainer("--elastic", "--store", f"127.0.0.1:{self.store.port}",
+                    "--metrics", str(self.folder / "metrics.jsonl"), *TRAINER_FLAGS, *flags),
+            stdout=out, stderr=subprocess.STDOUT, env=env, cwd=ROOT), out))
 
     def output(self, index):
         with open(self.folder / f"out-{index}.txt") as out:
@@ -292,15 +281,12 @@ def test_on_the_cluster_a_killed_host_stays_out_and_a_cut_one_comes_back(tmp_pat
     """3 hosts, the store on the switch: node1 is killed at 20 s, node2's link is down
     from 30 s to 40 s, longer than the transport's timeout (6 s). The job goes on without node1, takes node2 back, and exits 0 (node1's status
     does not count); node0 and node2 end with the same parameters."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        [sys.executable, "-m", "collectives.cluster", "--hosts", "3", "--elastic-store",
-         "--kill", "node1@20", "--cut", "node2@30:10", "--",
-         sys.executable, os.path.join(HERE, "elastic_trainer.py"), "env", "-",
-         str(tmp_path / "{host}.pt"), "--expected", "3", "--epochs", "16",
-         "--step-seconds", "0.1", "--timeout", "6"],
-        capture_output=True, text=True, timeout=280, env=env, cwd=ROOT)
+    done = run(python("-m", "collectives.cluster", "--hosts", "3", "--elastic-store",
+                      "--kill", "node1@20", "--cut", "node2@30:10", "--",
+                      *python(os.path.join(TESTS, "elastic_trainer.py"), "env", "-",
+                              str(tmp_path / "{host}.pt"), "--expected", "3", "--epochs",
+                              "16", "--step-seconds", "0.1", "--timeout", "6")),
+               timeout=280, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "node1 killed at" in done.stderr and "node2 plugged back in" in done.stderr
     assert not (tmp_path / "node1.pt").exists()
@@ -317,26 +303,20 @@ def test_an_elastic_checkpoint_resumes_with_elastic_in_a_new_job_only(tmp_path):
     """--checkpoint-dir keeps the commit: --elastic --resume goes on from the next epoch
     (in a new job, with a store of its own); the finished job's store turns a rank away
     with one line."""
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    for name in ("RANK", "WORLD_SIZE"):
-        env.pop(name, None)
-
-    def trainer(store, *flags):
-        return subprocess.run(
-            [sys.executable, "-m", "trainer", "--elastic", "--store", f"127.0.0.1:{store.port}",
-             "--train-samples", "64", "--test-samples", "32", "--batch-size", "16",
-             "--progress", "off", "--timeout", "10", "--checkpoint-dir", str(tmp_path),
-             *flags], capture_output=True, text=True, env=env, cwd=ROOT, timeout=150)
+    def elastic_run(store, *flags):
+        return run(trainer("--elastic", "--store", f"127.0.0.1:{store.port}",
+                           "--train-samples", "64", "--test-samples", "32", "--batch-size",
+                           "16", "--progress", "off", "--timeout", "10", "--checkpoint-dir",
+                           str(tmp_path), *flags), timeout=150, check=False)
 
     first = serve(0)
-    done = trainer(first, "--epochs", "1")
+    done = elastic_run(first, "--epochs", "1")
     assert done.returncode == 0 and "epoch 1/1" in done.stdout, done.stderr[-2000:]
-    resumed = trainer(serve(0), "--epochs", "2", "--resume", str(tmp_path / "checkpoint.pt"))
+    resumed = elastic_run(serve(0), "--epochs", "2", "--resume", str(tmp_path / "checkpoint.pt"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "from epoch 2, image 0, step 4" in resumed.stdout, resumed.stdout
     assert "epoch 1/2" not in resumed.stdout and "epoch 2/2" in resumed.stdout
-    late = trainer(first, "--epochs", "2", "--resume", str(tmp_path / "checkpoint.pt"))
+    late = elastic_run(first, "--epochs", "2", "--resume", str(tmp_path / "checkpoint.pt"))
     assert late.returncode == 1
     assert late.stderr.strip().splitlines()[-1] == ("trainer: error: the job has finished: "
                                                     "there is nothing to join"), late.stderr

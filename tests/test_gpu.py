@@ -4,36 +4,22 @@ NCCL wants a GPU per rank, so with one GPU it runs at world size 1; gloo and MPI
 stage CUDA tensors through host memory, so two ranks share a GPU there.
 """
 import json
-import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
 from collectives.launch.mpirun import mpirun_command
+from launchers import rank_env, run, torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
-TESTS = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(TESTS)
-
 
 def run_ranks(argv, env=None):
-    env = dict(env or os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, TESTS, os.environ.get("PYTHONPATH", "")]))
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(name, None)
-    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240,
-                            env=env)
-    assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
+    """The `ok ...` lines the ranks of `argv` printed, each split into words, sorted."""
+    result = run(argv, env=rank_env(env))
     return sorted(line.split()[1:] for line in result.stdout.splitlines()
                   if line.startswith("ok "))
-
-
-def torchrun(nproc, *args):
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            *args]
 
 
 @pytest.mark.timeout(300)
@@ -48,13 +34,8 @@ def test_the_main_job_shares_one_gpu_through_gloo():
     rank), says so once, and the ranks train on the GPU they share."""
     if torch.cuda.device_count() >= 2:
         pytest.skip("needs fewer GPUs than ranks")
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(name, None)
-    result = subprocess.run(torchrun(2, "-m", "trainer", "--epochs", "1", "--train-samples",
-                                     "256", "--test-samples", "64", "--progress", "lines"),
-                            cwd=ROOT, capture_output=True, text=True, timeout=240, env=env)
+    result = run(torchrun(2, "-m", "trainer", "--epochs", "1", "--train-samples", "256",
+                          "--test-samples", "64", "--progress", "lines"), check=False)
     assert result.returncode == 0, result.stderr
     assert result.stderr.count("backend auto: gloo") == 1, result.stderr
     assert "has 2 ranks and 1 GPU" in result.stderr

@@ -1,9 +1,9 @@
 """Bad launch settings: one clear line naming the variable, exit non-zero, no hang."""
 import os
-import subprocess
-import sys
 
 import pytest
+
+from launchers import mpirun, python, run, trainer
 
 INIT = "import collectives; collectives.init(backend={backend!r})"
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PMI_RANK",
@@ -15,8 +15,7 @@ def run_init(backend, extra_env, code=INIT):
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
     env.update(extra_env)
     env["CUDA_VISIBLE_DEVICES"] = ""  # as on a machine without a GPU
-    return subprocess.run([sys.executable, "-c", code.format(backend=backend)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return run(python("-c", code.format(backend=backend)), env=env, timeout=60, check=False)
 
 
 @pytest.mark.timeout(90)
@@ -54,10 +53,8 @@ def test_errors_from_code_are_still_exceptions():
 
 @pytest.mark.timeout(120)
 def test_bench_nproc_that_disagrees_with_the_launcher(tmp_path):
-    from collectives.launch.mpirun import find_mpirun
-    result = subprocess.run([find_mpirun()[0], "-np", "2", sys.executable, "-m",
-                             "collectives.bench", "--nproc", "3", "--json", "out.jsonl"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=100)
+    result = run(mpirun(2, *python("-m", "collectives.bench", "--nproc", "3", "--json",
+                                   "out.jsonl")), cwd=tmp_path, timeout=100, check=False)
     assert result.returncode != 0
     assert "--nproc 3 but the launcher (mpich) started 2 ranks" in result.stderr
     assert os.listdir(tmp_path) == []
@@ -70,9 +67,8 @@ def test_bench_nproc_that_disagrees_with_the_launcher(tmp_path):
 ])
 def test_trainer_launch_errors_exit_2_with_one_line(env, line, tmp_path):
     clean = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
-    result = subprocess.run([sys.executable, "-m", "trainer", "--metrics", "m.jsonl",
-                             "--checkpoint-dir", "ckpt"], env={**clean, **env}, cwd=tmp_path,
-                            capture_output=True, text=True, timeout=100)
+    result = run(trainer("--metrics", "m.jsonl", "--checkpoint-dir", "ckpt"),
+                 env={**clean, **env}, cwd=tmp_path, timeout=100, check=False)
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith(line), result.stderr
     assert os.listdir(tmp_path) == []

@@ -180,9 +180,9 @@ def test_all_gather_list_form_refuses_other_dtypes_and_shapes(sweep):
 
 
 @pytest.mark.parametrize("command", [
-    [sys.executable, "-m", "collectives.model", "predict", "--constants", "unused.json",
+    [sys.executable, "-m", "collectives.cost_model", "predict", "--constants", "unused.json",
      "--hosts", "2", "--size", "16M", "--bandwidth", "0gbit"],
-    [sys.executable, "-m", "trainer.predict", "--trace", "unused", "--constants",
+    [sys.executable, "-m", "trainer.replay", "--trace", "unused", "--constants",
      "unused.json", "--bandwidth", "0gbit"],
 ])
 def test_a_zero_bandwidth_is_refused_in_one_line(command):

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from distributed import run_world
-from test_trainer import LAUNCHERS, read_metrics, run, trainer
+from launchers import LAUNCHERS, run, trainer
+from test_trainer import read_metrics
 from trainer.loop.dynamic_shards import ClaimCounter, DynamicShards, progress_schedule
 
 

@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
@@ -19,7 +18,7 @@ from collectives.cluster import ClusterSpec, Network, rate_bits
 from collectives.cluster.job import _cluster_env
 from collectives.cluster.slurm import PROGRAMS, Slurm
 from collectives.cluster.network import STATE_ROOT, TOOLS
-from collectives.launch.mpirun import find_mpirun
+from launchers import mpirun, run
 from test_cluster import (FAST, ROOT, assert_left_nothing, checks, default_stop_signals,
                           host_links, marked_processes, netns_names, read_ranks, run_cli,
                           running_launcher)
@@ -42,11 +41,11 @@ def slurm():
     assert_left_nothing(network.run)
 
 
-def on_login_node(slurm, *command, env=None, timeout=TIMEOUT, **kwargs):
+def on_login_node(slurm, *command, env=None, timeout=TIMEOUT):
     """Run `command` on node0 with the job's environment, as the cluster's CLI does."""
     full_env = dict(_cluster_env(slurm.network), **slurm.env(), **(env or {}))
-    return subprocess.run(slurm.network.enter(0) + list(command), env=full_env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, **kwargs)
+    return run(slurm.network.enter(0) + list(command), env=full_env, cwd=ROOT,
+               timeout=timeout, check=False)
 
 
 def assert_placed_by_slurm(results, tasks_per_node):
@@ -101,7 +100,7 @@ def test_sbatch_runs_the_example_script_and_mpirun_inside_an_allocation(slurm, t
     assert "\r" not in text, "the progress bar redrew itself in a log file"
     assert "epoch 1/1: 100%" in text, text[-3000:]  # its lines instead
 
-    wrapped = (f"{find_mpirun()[0]} -np 4 " + " ".join(checks("slurm", "mpi")) + f" {tmp_path}")
+    wrapped = " ".join(mpirun(4, *checks("slurm", "mpi"), str(tmp_path)))
     done = on_login_node(slurm, "sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2",
                          f"--output={tmp_path}/mpirun.out", f"--wrap={wrapped}")
     assert done.returncode == 0, (tmp_path / "mpirun.out").read_text()[-3000:]

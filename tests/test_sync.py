@@ -198,13 +198,14 @@ def test_gradients_reach_the_strategy_divided_as_they_enter_their_bucket(view):
     # An averaging strategy's division is done by the copy into the bucket: reduce_bucket
     # sees gradient / divisor, asked once a step (None: the gradients as they are), in
     # copy mode and when .grad is a view of the bucket alike.
-    from collectives.bucketer import Bucketer
+    from collectives.bucketer import Bucketer, BucketOptions
     comm = LocalTransport(torch.device("cpu"), timedelta(seconds=30))
     model = mlp()
     divisors = iter([4, None])
     seen = []
     bucketer = Bucketer(model.parameters(), lambda flat: seen.append(flat.clone()), comm,
-                        gradient_as_bucket_view=view, divisor=lambda: next(divisors))
+                        BucketOptions(gradient_as_bucket_view=view),
+                        divisor=lambda: next(divisors))
     try:
         x = torch.randn(8, 20, dtype=torch.float64)
         for divisor in (4, None):

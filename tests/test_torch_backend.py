@@ -5,25 +5,22 @@ a peer killed mid-collective makes every survivor raise in time.
 The checks live in checks_torch_backend.py, a script run as users run theirs (torchrun,
 mpirun); each rank prints `ok CHECK RANK DIGEST` after comparing with gloo itself.
 """
-import os
 import re
 import signal
 import subprocess
-import sys
 import time
 
 import pytest
 
-from collectives.launch.mpirun import find_mpirun
 from collectives.launch.spawn import free_port
+from launchers import TESTS, mpirun, python, rank_env, run, torchrun
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CHECKS = ("check_reductions", "check_movement", "check_point_to_point", "check_subgroups",
           "check_disagreement", "check_chained_callbacks")
 TRAININGS = ("ddp", "ddp-fp16-hook", "ddp-bucket-view", "ddp-static-graph", "ddp-powersgd",
              "ddp-bf16-powersgd", "ddp-post-local-sgd",
              "ddp-powersgd-buckets", "zero", "fsdp2")
-ENV = dict(os.environ, OMP_NUM_THREADS="1")
+ENV = rank_env()
 
 
 def digests(out: subprocess.CompletedProcess, names, world_size):
@@ -38,18 +35,17 @@ def digests(out: subprocess.CompletedProcess, names, world_size):
     return found
 
 
-def torchrun(world_size, *args, timeout=200):
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                           str(world_size), "--master-port", str(free_port()),
-                           "checks_torch_backend.py", *args],
-                          cwd=HERE, env=ENV, capture_output=True, text=True, timeout=timeout)
+def under_torchrun(world_size, *args, timeout=200):
+    """checks_torch_backend.py `args` on `world_size` ranks of torchrun."""
+    return run(torchrun(world_size, "checks_torch_backend.py", *args), cwd=TESTS, env=ENV,
+               timeout=timeout, check=False)
 
 
-def mpirun(world_size, *args, timeout=200):
-    return subprocess.run([find_mpirun()[0], "-np", str(world_size), sys.executable,
-                           "checks_torch_backend.py", *args, "--mpi"], cwd=HERE,
-                          env=dict(ENV, COLLECTIVES_TORCH_MPI="1"), capture_output=True,
-                          text=True, timeout=timeout)
+def under_mpirun(world_size, *args, timeout=200):
+    """The same checks as init_process_group("mpi") on `world_size` ranks of mpirun."""
+    return run(mpirun(world_size, *python("checks_torch_backend.py", *args, "--mpi")),
+               cwd=TESTS, env=dict(ENV, COLLECTIVES_TORCH_MPI="1"), timeout=timeout,
+               check=False)
 
 
 @pytest.mark.timeout(240)
@@ -58,7 +54,7 @@ def test_every_collective_matches_gloo_on_three_ranks():
     all_to_all, async Work and future, tags, batch_isend_irecv, subgroups, objects,
     barriers) equals gloo; reduce_scatter leaves its input; mismatched calls raise on
     every rank and break only their own group; nothing runs after destroy."""
-    digests(torchrun(3, "collectives"), CHECKS, 3)
+    digests(under_torchrun(3, "collectives"), CHECKS, 3)
 
 
 def replicas_agree(found, world_size):
@@ -73,16 +69,16 @@ def test_two_ranks_train_as_on_gloo_and_the_mpi_route_computes_the_same():
     and so does every collective check. Then the same script as
     init_process_group("mpi") under mpirun (opted in by COLLECTIVES_TORCH_MPI=1), on
     the mpi4py transport, ends with the same values."""
-    on_gloo = digests(torchrun(2, "all"), CHECKS + TRAININGS, 2)
+    on_gloo = digests(under_torchrun(2, "all"), CHECKS + TRAININGS, 2)
     replicas_agree(on_gloo, 2)
-    on_mpi = digests(mpirun(2, "all"), CHECKS + TRAININGS, 2)
+    on_mpi = digests(under_mpirun(2, "all"), CHECKS + TRAININGS, 2)
     assert on_mpi == on_gloo
 
 
 @pytest.mark.timeout(300)
 def test_three_ranks_train_as_on_gloo():
     """The same trainings on 3 ranks, within float rounding of another summation order."""
-    replicas_agree(digests(torchrun(3, "training"), TRAININGS, 3), 3)
+    replicas_agree(digests(under_torchrun(3, "training"), TRAININGS, 3), 3)
 
 
 def test_without_the_opt_in_mpi_says_how():
@@ -93,8 +89,7 @@ def test_without_the_opt_in_mpi_says_how():
             "except RuntimeError as error:\n"
             "    print(error)\n")
     env = {k: v for k, v in ENV.items() if k != "COLLECTIVES_TORCH_MPI"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
-                         text=True, timeout=120)
+    out = run(python("-c", code), env=env, timeout=120, check=False)
     assert "COLLECTIVES_TORCH_MPI=1" in out.stdout, out.stdout + out.stderr
 
 
@@ -107,8 +102,8 @@ def test_a_bad_algorithm_setting_fails_when_the_group_is_made():
             "                            world_size=1)\n"
             "except ValueError as error:\n"
             "    print('refused:', error)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         env=dict(ENV, COLLECTIVES_ALGORITHM="butterfly"), timeout=120)
+    out = run(python("-c", code), env=dict(ENV, COLLECTIVES_ALGORITHM="butterfly"),
+              timeout=120, check=False)
     assert "refused: COLLECTIVES_ALGORITHM='butterfly': choose from auto" in out.stdout, \
         out.stdout + out.stderr
 
@@ -116,7 +111,7 @@ def test_a_bad_algorithm_setting_fails_when_the_group_is_made():
 @pytest.mark.timeout(120)
 def test_a_script_that_never_destroys_its_group_exits_cleanly():
     """As with torch's gloo: exit closes our groups first (else: SIGABRT at exit)."""
-    out = torchrun(2, "no-destroy", timeout=100)
+    out = under_torchrun(2, "no-destroy", timeout=100)
     assert out.returncode == 0 and out.stdout.count("ok leaving") == 2, out.stderr[-3000:]
     assert "terminate called" not in out.stderr
 
@@ -124,7 +119,7 @@ def test_a_script_that_never_destroys_its_group_exits_cleanly():
 def _launch(world_size, *args):
     """The ranks as separate processes (no torchrun: it would end the survivors)."""
     port = free_port()
-    return [subprocess.Popen([sys.executable, "checks_torch_backend.py", *args], cwd=HERE,
+    return [subprocess.Popen(python("checks_torch_backend.py", *args), cwd=TESTS,
                              env=dict(ENV, RANK=str(rank), WORLD_SIZE=str(world_size),
                                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
                                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)),

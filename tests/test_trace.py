@@ -1,20 +1,13 @@
 """The timeline: traced runs give valid traces with the right spans; tracing off does no work."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 from collectives.trace import summary
 from distributed import run_world
+from launchers import python, run, torchrun
 
 TINY = ["--train-samples", "64", "--test-samples", "16", "--batch-size", "8", "--epochs", "1"]
-
-
-def _run(argv, timeout=200):
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result.stdout
 
 
 def _inside(event, outer):
@@ -24,8 +17,8 @@ def _inside(event, outer):
 @pytest.mark.timeout(240)
 def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
     folder = tmp_path / "trace"
-    _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m",
-          "trainer", *TINY, "--trace", str(folder), "--trace-steps", "2:3"])
+    run(torchrun(2, "-m", "trainer", *TINY, "--trace", str(folder), "--trace-steps", "2:3"),
+        timeout=200)
     merged = json.loads((folder / "trace.json").read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in merged if e["name"] == "process_name"}
     assert sorted(names) == [0, 1] and names[1].startswith("rank 1")
@@ -49,7 +42,7 @@ def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
             assert first["tid"] != step["tid"]  # on the communication thread
             assert backward["ts"] < first["ts"] < backward["ts"] + backward["dur"]  # overlap
             assert first["args"]["bytes"] > 0 and "queued_ms" in first["args"]
-    out = _run([sys.executable, "-m", "collectives.trace", str(folder)])
+    out = run(python("-m", "collectives.trace", str(folder)), timeout=200).stdout
     assert "allreduce: 2 traced step(s), 2 rank(s)" in out and "slowest rank:" in out
     assert (folder / "timeline.png").stat().st_size > 10_000
 
@@ -57,9 +50,9 @@ def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_summary_agrees_with_trainer_bench_on_the_hidden_share(tmp_path):
     folder, rows = tmp_path / "trace", tmp_path / "bench.jsonl"
-    _run([sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync", "allreduce,ddp",
-          "--batch-size", "4", "--steps", "3", "--rounds", "1", "--warmup", "1",
-          "--trace", str(folder), "--trace-steps", "3", "--json", str(rows)], timeout=280)
+    run(python("-m", "trainer.bench", "--nproc", "2", "--sync", "allreduce,ddp",
+               "--batch-size", "4", "--steps", "3", "--rounds", "1", "--warmup", "1",
+               "--trace", str(folder), "--trace-steps", "3", "--json", str(rows)), timeout=280)
     bench = {row["sync"]: row for row in map(json.loads, rows.read_text().splitlines())}
     traced = summary.figures(summary.load(str(folder)))
     for sync in ("allreduce", "ddp"):

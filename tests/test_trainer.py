@@ -2,8 +2,6 @@
 import json
 import math
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -11,42 +9,16 @@ import torch
 
 from checks_trainer import (epoch_records, extended_by_resume, overflowing_first_backward,
                             printed_by_runs, straight_and_resumed, train_then_eval_only)
-from collectives.launch.mpirun import find_mpirun
 from collectives.launch.spawn import free_port
 from distributed import run_world
+from launchers import LAUNCHERS, python, run, trainer
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16", "--epochs", "1"]
-
-
-def run(argv, cwd, timeout=240, check=True):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
-        env.pop(name, None)
-    result = subprocess.run(argv, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                            env=env)
-    if check:
-        assert result.returncode == 0, f"{argv}\n{result.stdout}\n{result.stderr}"
-    return result
-
-
-def trainer(*flags):
-    return [sys.executable, "-m", "trainer", *flags]
 
 
 def read_metrics(path):
     with open(path) as lines:
         return [json.loads(line) for line in lines]
-
-
-LAUNCHERS = {
-    "plain": lambda n, cmd: cmd,
-    "mpirun": lambda n, cmd: [find_mpirun()[0], "-np", str(n), *cmd],
-    "launch_mpi.sh": lambda n, cmd: [os.path.join(ROOT, "launch_mpi.sh"), "-np", str(n), "--",
-                                     *cmd],
-    "torchrun": lambda n, cmd: [sys.executable, "-m", "torch.distributed.run",
-                                "--nproc-per-node", str(n), "-m", "trainer", *cmd[3:]],
-}
 
 
 @pytest.mark.timeout(300)
@@ -67,8 +39,8 @@ def test_short_run_in_each_launch_mode(launcher, tmp_path):
 def test_the_tutorials_launcher_passes_local_rank_and_both_ranks_finish(tmp_path):
     # torch.distributed.launch (deprecated, still in torch) puts --local-rank=N before the
     # trainer's own flags; the launcher exits 0 only when every rank did.
-    launch = [sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node", "2",
-              "--master-port", str(free_port()), "--module", "trainer"]
+    launch = python("-m", "torch.distributed.launch", "--nproc-per-node", "2",
+                    "--master-port", str(free_port()), "--module", "trainer")
     one_step = ["--train-samples", "16", "--test-samples", "8", "--batch-size", "8",
                 "--epochs", "1"]
     out = run([*launch, *one_step], tmp_path, timeout=150, check=False)
@@ -306,7 +278,7 @@ def test_a_save_removes_the_temporary_file_a_killed_save_left(tmp_path):
     path = tmp_path / "checkpoint.pt"
     checkpoint.save_atomically({"version": 1}, str(path))
     (tmp_path / ".tmp-someone-elses.pt").write_text("not ours")
-    killed = run([sys.executable, "-c", KILLED_DURING_A_SAVE, str(path)], tmp_path, check=False)
+    killed = run(python("-c", KILLED_DURING_A_SAVE, str(path)), tmp_path, check=False)
     assert killed.returncode == -9, killed.stderr
     left = set(os.listdir(tmp_path)) - {"checkpoint.pt", ".tmp-someone-elses.pt"}
     assert len(left) == 1, f"the killed save left {left}"

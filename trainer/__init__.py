@@ -8,23 +8,27 @@ The loop (trainer/loop/), what `python -m trainer` runs:
     train.py        the training loop, written as its steps: setup, resume, one epoch,
                     evaluate, report and save
     data.py         the embedded dataset, and torchvision's
-    models.py       torchvision ResNets with a stem for small images
+    networks.py     torchvision ResNets with a stem for small images
     checkpoint.py   atomic checkpoints holding every rank's state (model, optimizer,
                     strategy, random generators), gathered on rank 0
 
 The study around it (here), what the loop is measured and compared with:
     bench.py        `python -m trainer.bench`: throughput of each sync strategy beside
                     torch's DDP, timed over the same steps
-    predict.py      `python -m trainer.predict`: a bench trace's step replayed on the
-                    cost model, for clusters we do not have (docs/model.md)
+    replay.py       `python -m trainer.replay`: a bench trace's step replayed on the
+                    cost model, for clusters we do not have (docs/cost_model.md)
     compare.py      `python -m trainer.compare`: runs the loop once per strategy, under
                     any launcher or on the emulated cluster, and tabulates accuracy
                     against time and bytes
-    torch_peers.py  torch's own DDP and comm hooks, driven like our strategies
+    peer_base.py    what a peer is: another library's code for one of our strategies,
+                    driven like ours
+    torch_peers.py  torch's own DDP and comm hooks as peers, and the peers by name
+    torchft_peer.py torchft's DiLoCo as a peer (the optional torchft extra)
     powersgd_layout.py  torch's PowerSGD state moved along when DDP re-lays its buckets
     timing.py       waited-on-communication and bytes sent, measured alike for ours and
                     torch's
 
-The loop borrows the last two: `--sync ddp*` trains with a torch peer, and its epoch
-line is measured by timing.py, so that its figures and bench's mean the same thing.
+The loop borrows the peers and timing.py: `--sync ddp*` trains with a torch peer, and
+its epoch line is measured by timing.py, so that its figures and bench's mean the same
+thing.
 """

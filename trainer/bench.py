@@ -79,7 +79,7 @@ from collectives import trace
 from collectives.launch import add_local_rank_argument
 from . import torch_peers
 from .loop.cli import bucket_size, sync_option
-from .loop.models import ARCHITECTURES, build_model
+from .loop.networks import ARCHITECTURES, build_model
 from .timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 
 

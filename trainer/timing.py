@@ -29,7 +29,7 @@ import torch
 import collectives
 from collectives import trace
 from collectives.launch import links
-from .torch_peers import TorchPeer
+from .peer_base import Peer
 
 _TCP_INFO_BYTES_ACKED = 120  # offset of tcpi_bytes_acked (u64) in struct tcp_info
 
@@ -125,8 +125,8 @@ class SentBytes:
     the sync's collectives, or for torch's DDP on gloo the kernel's count for this
     process's TCP sockets.
 
-    strategy: our sync strategy (its collectives run on `comm`) or a torch peer
-    (trainer/torch_peers.py: its `traffic` once wrapped, None on gloo)."""
+    strategy: our sync strategy (its collectives run on `comm`) or a peer
+    (trainer/peer_base.py: its `traffic` once wrapped, None on gloo)."""
 
     def __init__(self, comm, strategy):
         self.comm, self.strategy = comm, strategy
@@ -136,7 +136,7 @@ class SentBytes:
         nic = links.link_bytes()
         if nic is not None:
             return nic["sent"] / self.ranks_on_host
-        if not isinstance(self.strategy, TorchPeer):
+        if not isinstance(self.strategy, Peer):
             return self.comm.traffic.bytes_sent
         if self.strategy.traffic is not None:  # ddp-collectives: our backend's transport
             return self.strategy.traffic.bytes_sent

@@ -23,8 +23,11 @@ torch's code, configured to compute what our strategy of the same idea computes:
 
 A peer has the same moments as our SyncStrategy (after_backward, after_step, close)
 so the trainer's loop and trainer.bench drive both alike; `wrap(model)` returns
-torch's DDP module in place of ours. Peers need torch.distributed's default group
-(the gloo or nccl backend; collectives.init makes it).
+torch's DDP module in place of ours (trainer/peer_base.py: what every peer shares).
+Peers need torch.distributed's default group (the gloo or nccl backend;
+collectives.init makes it). This file is also the registry of peers by name
+(`create`, `is_peer`, `NAMES`, `OURS`): torchft's DiLoCo, in a file of its own, is
+imported only when asked for.
 
 Where torch's computation differs from ours, by design of each library:
 - fp16/bf16: torch casts the bucket first and divides in 16 bits; we divide in 32
@@ -65,6 +68,7 @@ from torch.distributed.algorithms.model_averaging import averagers, hierarchical
 
 from collectives import trace
 from collectives.transport.base import Traffic
+from .peer_base import Peer
 from .powersgd_layout import LayoutKeeper
 
 # peer name -> the name of our strategy that computes the same thing
@@ -74,11 +78,8 @@ OURS = {"ddp": "allreduce", "ddp-collectives": "allreduce", "ddp-fp16": "fp16", 
 NAMES = list(OURS)
 
 
-class TorchPeer:
+class TorchPeer(Peer):
     """torch's DDP plus one of torch's comm hooks, driven like our strategies."""
-
-    uses_buckets = True
-    syncs_per_period = 1  # as our strategies say it (collectives/sync/base.py)
 
     def __init__(self, name: str, period: int = 8, warmup_steps: int = 0, rank: int = 2,
                  seed: int = 0, local_period: int = 1):
@@ -255,7 +256,7 @@ def is_peer(name: str) -> bool:
     return name in OURS
 
 
-def create(name: str, **options) -> TorchPeer:
+def create(name: str, **options) -> Peer:
     """A peer by name; options as our strategies take them (period, warmup_steps, rank,
     seed). An option the peer does not know raises TypeError."""
     if name == "torchft-diloco":

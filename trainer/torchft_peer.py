@@ -37,10 +37,10 @@ import torch
 import torch.distributed as dist
 
 from collectives.sync.diloco import check_outer, check_schedule, split_into_fragments
-from .torch_peers import TorchPeer
+from .peer_base import Peer
 
 
-class TorchftDiLoCo(TorchPeer):
+class TorchftDiLoCo(Peer):
     """torchft's DiLoCo on this process group, with our diloco's options."""
 
     uses_buckets = False

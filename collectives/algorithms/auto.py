@@ -9,19 +9,21 @@ The choice comes, in this order, from:
    they all hold the same one.
 2. Else the cost model (costs.py): the algorithm whose cost() is least for this size
    and placement, with the constants in $COLLECTIVES_MODEL (a file
-   `python -m collectives.model calibrate` wrote) or else the shipped ones
-   (calibrated.json, docs/model.md), for this machine's cores: ranks that outnumber
+   `python -m collectives.cost_model calibrate` wrote) or else the shipped ones
+   (calibrated.json, docs/cost_model.md), for this machine's cores: ranks that outnumber
    the cores wait to be woken at every step, which favours few steps.
 
-No size threshold is fixed here: thresholds measured on one machine pick the slowest
-algorithm on another (on a 16-core host the rules once fitted to 2 cores chose the
-tree where the ring was 1.7x quicker). `python -m collectives.bench` prints, per
-size, what auto chose, from which source, and the quickest fixed algorithm.
+No size threshold is fixed here: which algorithm is quickest depends on the machine
+(few steps win where ranks share few cores, the ring's bandwidth where cores are
+many), so thresholds measured on one machine can pick the slowest algorithm on
+another. `python -m collectives.bench` prints, per size, what auto chose, from which
+source, and the quickest fixed algorithm. Measured: docs/library.md, "auto: measured
+where it runs".
 
 NCCL is the exception, on one host and across hosts alike: `native`. NCCL already
 runs its own hierarchy across nodes (rings and trees over NVLink inside a node and
 the network between nodes, chosen by its own tuning), and none of ours has been
-measured against it (no GPU here with several ranks).
+measured against it (docs/library.md, "On a GPU").
 """
 from __future__ import annotations
 

@@ -48,8 +48,8 @@ once for a ring, whose links stay busy from its first step to its last, once per
 for a tree, whose links rest between levels. Calls back to back leave the bucket no
 time to fill, which the bound above keeps honest. A real NIC has no bucket: 0.
 
-The constants are measured, not assumed: `python -m collectives.model calibrate`
-fits them to a sweep of collectives.bench (docs/model.md), and a file of them can be
+The constants are measured, not assumed: `python -m collectives.cost_model calibrate`
+fits them to a sweep of collectives.bench (docs/cost_model.md), and a file of them can be
 written by hand for a machine we do not have.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ class Constants:
 
 @functools.lru_cache(maxsize=8)
 def load_constants(path: str) -> Constants:
-    """Constants from a JSON file `python -m collectives.model calibrate` wrote."""
+    """Constants from a JSON file `python -m collectives.cost_model calibrate` wrote."""
     with open(path) as source:
         data = json.load(source)
     return Constants.from_dict(data.get("constants", data))

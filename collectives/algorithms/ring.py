@@ -27,26 +27,29 @@ per byte and gamma seconds per reduced byte:
     all-reduce:                    2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma
 
 Pipelining: every chunk is cut into segments (the transport's `segment_bytes`, 4 MiB:
-smaller ones lost on both TCP and shared memory, see docs/benchmarks.md; on a slow
-link between hosts smaller, Transport.segment_for_link). A segment is forwarded to the right as
-soon as it has been reduced, and the next step's receives are posted before this
+every message pays a fixed cost, so smaller segments are slower on one host; on a slow
+link between hosts smaller, Transport.segment_for_link, so that the next link of the
+ring does not idle while a whole segment arrives). A segment is forwarded to the right
+as soon as it has been reduced, and the next step's receives are posted before this
 step's are reduced, so reducing one segment overlaps moving the next. Reduce-scatter
 receives with `irecv_reduce(..., forward_to=right)`: receive, add our segment, pass
 the sum on. Through shared memory that is one pass over memory (the incoming slot
 plus our segment, written straight into the outgoing slot, as NCCL's recvReduceSend);
 otherwise the message lands in one of two scratch buffers, used on alternate steps
 so an early receive never overwrites data still waiting to be reduced, and the sum
-is sent from our buffer.
+is sent from our buffer. Measured: docs/benchmarks.md, "Shared memory: slot and
+segment sizes" and "Ring segment size over TCP".
 
 Order: a step posts its receives before its sends wherever it can. Over TCP (gloo)
 a message moves only once its receive is posted, and the receiver's "ready" notice
-travels in the same stream as its own outgoing data: on a 2-host link of 100 Mbit/s,
-exchanging 16 MiB each way in 4 pieces took 2.8 s sends-first and 1.4 s
-receives-first, what the link allows both ways at once (docs/cluster.md). The one
-exception: a reduce-scatter of more than 2 ranks sends its first chunk before posting
-step 0's receives, because those pass their sums on to the same rank, and sends to a
-rank arrive in the order they were posted (relays included): posted first, a relay's
-sum would overtake the chunk the right neighbour expects first.
+travels in the same stream as its own outgoing data: with the sends posted first,
+each side's notice queues behind its own data and the two directions take turns;
+with the receives first, both move at once. Measured: docs/cluster.md, "The ring
+over TCP: receives before sends". The one exception: a reduce-scatter of more than 2
+ranks sends its first chunk before posting step 0's receives, because those pass
+their sums on to the same rank, and sends to a rank arrive in the order they were
+posted (relays included): posted first, a relay's sum would overtake the chunk the
+right neighbour expects first.
 
 Step by step (NCCL, `comm.step_by_step`): NCCL runs a rank's postings one after
 another, so nothing may be posted ahead of its step. There each step is one

@@ -44,8 +44,8 @@ import torch
 
 from .. import api
 from ..transport import PeerError
+from .generations import ElasticWorld
 from .membership import JobFinished, MembershipError
-from .world import ElasticWorld
 
 
 class MembersChanged(Exception):

@@ -40,13 +40,12 @@ from .optimizer import (Compression, DistributedOptimizer, broadcast_object,
 from .ops import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async,
                   allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall,
                   alltoall_async, barrier, broadcast, broadcast_, broadcast_async,
-                  broadcast_async_, forget_engines, global_process_set, grouped_allgather,
+                  broadcast_async_, global_process_set, grouped_allgather,
                   grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
                   grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
                   grouped_reducescatter_async, join, poll, reducescatter,
                   reducescatter_async, sparse_allreduce_async, synchronize)
-from .ops import engine as _engine
-from .engine import HorovodInternalError
+from .engine import HorovodInternalError, engine as _engine, forget_engines
 from .process_sets import ProcessSet, add_process_set, remove_process_set
 from . import process_sets as _process_sets
 

@@ -64,6 +64,12 @@ Unnamed collectives never pair different calls. Two things keep every rank's n i
 
 The engine talks over a duplicate of the communicator, so its cycles never mix with
 other traffic (the script's own collectives, DDP's buckets).
+
+One engine per communicator: `engine()` gives the current communicator's, making it on
+first use (hvd.init() makes it on every rank at the same point: making one is
+collective); `forget_engines()` stops them all (hvd.shutdown()). The process sets added
+on an engine (process_sets.py) are entries of its table, so they go with it: their
+ProcessSet objects are left without an id.
 """
 from __future__ import annotations
 
@@ -80,10 +86,12 @@ import torch
 
 from .. import api
 from ..launch.exit import stop_at_exit
-from ..transport import PeerError, Transport
+from ..transport import Transport
 from ..transport.group import Group
+from ..world import get_comm
 from .negotiation import (Message, Meta, Outcome, StallInspector, Table, scoped,
                           unnamed_number)
+from .runs import shadow
 
 log = logging.getLogger("collectives.horovod")
 
@@ -154,6 +162,9 @@ class Engine:
         self.rank, self.world_size = comm.rank, comm.world_size
         self.shadow = shadow
         self.table = Table(comm.world_size)
+        # the hvd.ProcessSet objects added on this table (process_sets.py): they lose
+        # their ids when the engine is forgotten
+        self.added_sets: list = []
         self.stall_timeout = _env_number("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", 0.0) \
             or comm.timeout.total_seconds()
         warn_after = _env_number("HOROVOD_STALL_CHECK_TIME_SECONDS", STALL_WARNING_SECONDS)
@@ -409,3 +420,39 @@ class Engine:
                 handle, self._join = self._join, None
             if handle is not None:
                 handle.fail(HorovodInternalError(outcome.join_failed[1]))
+
+
+# --- one engine per communicator ----------------------------------------------------------
+_engines: Dict[int, Engine] = {}  # id(communicator) -> its engine
+
+
+def engine() -> Engine:
+    """The engine of the current communicator, made on first use (hvd.init() makes it:
+    making one is collective, every rank at the same point)."""
+    comm = get_comm()
+    found = _engines.get(id(comm))
+    if found is None or found.parent is not comm:
+        if found is not None:  # the engine of a closed communicator whose id was reused
+            found.stop()
+            _drop_process_sets(found)
+        found = _engines[id(comm)] = Engine(comm, shadow)
+    return found
+
+
+def forget_engines(wait_seconds: float = 10.0) -> None:
+    """Stop every engine, telling the other ranks (hvd.shutdown()); the process sets
+    added go with them."""
+    for each in _engines.values():
+        each.stop()
+    for each in _engines.values():
+        each.join(wait_seconds)
+        _drop_process_sets(each)
+    _engines.clear()
+
+
+def _drop_process_sets(each: Engine) -> None:
+    """The process sets added on an engine that is gone: their objects lose their ids,
+    as Horovod leaves them after shutdown."""
+    for process_set in each.added_sets:
+        process_set._invalidate()
+    each.added_sets.clear()

@@ -1,7 +1,7 @@
 """Horovod's collectives (allreduce, allgather, broadcast, alltoall, reducescatter, their
 grouped, in-place and async forms, sparse allreduce), each submitted to the engine
 (engine.py) under its name with a Meta (negotiation.py), and run by our algorithms
-through `collectives.api` once every rank has submitted that name.
+(runs.py) once every rank has submitted that name.
 
 Arguments are checked when a collective is submitted, so that nothing can fail on one
 rank alone once the ranks have agreed to run it (its peers would wait inside it).
@@ -17,45 +17,18 @@ ranks only, its gradient too.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 
 from .. import api
-from ..transport import Transport
 from ..world import get_comm
-from .engine import Engine
+from .engine import engine
 from .negotiation import Meta
-from . import process_sets
 from .process_sets import ProcessSet, Scope, global_process_set, scope  # noqa: F401
-
-Average, Sum, Adasum, Min, Max, Product = "avg", "sum", "adasum", "min", "max", "product"
-OPS = (Sum, Average, Min, Max, Product)
-
-_engines: dict = {}
-
-
-def engine() -> Engine:
-    """The engine of the current communicator, made on first use (hvd.init() makes it:
-    making one is collective, every rank at the same point)."""
-    comm = get_comm()
-    found = _engines.get(id(comm))
-    if found is None or found.parent is not comm:
-        if found is not None:
-            found.stop()
-        found = _engines[id(comm)] = Engine(comm, shadow)
-    return found
-
-
-def forget_engines(wait_seconds: float = 10.0) -> None:
-    """Stop every engine, telling the other ranks (hvd.shutdown()); the process sets
-    added go with them."""
-    for each in _engines.values():
-        each.stop()
-    for each in _engines.values():
-        each.join(wait_seconds)
-    _engines.clear()
-    process_sets.forget()
+from .runs import (OPS, Adasum, Average, Max, Min, Product, Sum,  # noqa: F401
+                   allgather_run, allreduce_run, alltoall_run, broadcast_run,
+                   reducescatter_run)
 
 
 def reduce_op(average: Optional[bool], op: Optional[str]) -> str:
@@ -87,172 +60,6 @@ def _check(tensor, what: str) -> torch.Tensor:
     return tensor
 
 
-def _scale(tensor: torch.Tensor, factor: float) -> None:
-    """tensor *= factor in place, as Horovod scales: integers in float64, float16 (on
-    CPU) in float32, each rounded back to the tensor's dtype (integers toward zero)."""
-    if factor == 1.0:
-        return
-    if not tensor.is_floating_point():
-        tensor.copy_((tensor.double() * factor).to(tensor.dtype))
-    elif tensor.dtype in (torch.float16, torch.bfloat16):
-        tensor.copy_((tensor.float() * factor).to(tensor.dtype))
-    else:
-        tensor.mul_(factor)
-
-
-def _reduce_in_place(flat: torch.Tensor, op: str, prescale: float, postscale: float,
-                     algorithm: str, comm: Transport) -> None:
-    """One flat buffer's allreduce, after negotiation.
-
-    Floats average as `api.all_reduce(op="avg")` does (divided first, so a float16 sum
-    cannot overflow). Integers average as Horovod does, the sum scaled by 1/size and
-    rounded toward zero (-3 and 0 average to -1), but summed in int64 so that int8 or
-    int16 sums do not wrap.
-    """
-    _scale(flat, prescale)
-    if op == Average and not flat.is_floating_point():
-        wide = flat.to(torch.int64, copy=True)
-        api.all_reduce(wide, op=Sum, algorithm=algorithm, comm=comm, check=False)
-        if postscale == 1.0:  # exact, even beyond float64's 2^53
-            flat.copy_(torch.div(wide, comm.world_size, rounding_mode="trunc"))
-        else:
-            flat.copy_((wide.double() * (postscale / comm.world_size)).to(flat.dtype))
-        return
-    api.all_reduce(flat, op=op, algorithm=algorithm, comm=comm, check=False)
-    _scale(flat, postscale)
-
-
-def _by_dtype(items: Sequence) -> Dict[str, list]:
-    """Indices of items grouped by dtype, in the order each dtype first appears (the
-    same on every rank, and for a joined rank's zeros: see shadow)."""
-    groups: Dict[str, list] = {}
-    for index, dtype in enumerate(items):
-        groups.setdefault(str(dtype).replace("torch.", ""), []).append(index)
-    return groups
-
-
-def _allreduce_run(tensors: List[torch.Tensor], op: str, prescale: float, postscale: float,
-                   algorithm: str = "auto"):
-    """Reduce a group of tensors in place: one flat buffer per dtype."""
-    def run(metas, comm):
-        for indices in _by_dtype([t.dtype for t in tensors]).values():
-            group = [tensors[i] for i in indices]
-            alone = len(group) == 1 and group[0].is_contiguous()
-            # One contiguous tensor is reduced where it lies; a group goes through one
-            # fused copy and back.
-            flat = group[0].view(-1) if alone else torch.cat([t.reshape(-1) for t in group])
-            _reduce_in_place(flat, op, prescale, postscale, algorithm, comm)
-            if not alone:
-                offset = 0
-                for tensor in group:
-                    tensor.copy_(flat[offset:offset + tensor.numel()].view_as(tensor))
-                    offset += tensor.numel()
-        return tensors
-    return run
-
-
-def shadow(meta: Meta, comm: Transport) -> None:
-    """A joined rank's part in what the others run: zeros for an allreduce (one buffer
-    per dtype, as _allreduce_run makes them); nothing for a barrier."""
-    if meta.kind != "allreduce":
-        return
-    sizes = [int(torch.Size(shape).numel()) for shape in meta.shapes]
-    for dtype, indices in _by_dtype(meta.dtypes).items():
-        zeros = torch.zeros(sum(sizes[i] for i in indices), dtype=getattr(torch, dtype))
-        _reduce_in_place(zeros, meta.op, meta.prescale, meta.postscale, meta.algorithm, comm)
-
-
-def _allgather_run(tensors: List[torch.Tensor]):
-    """Gather each tensor (at least 1-D) along its first dimension, which may differ
-    between ranks: every rank's rows padded to the widest, one all-gather per tensor.
-    Returns [(gathered, rows of each rank)] per tensor."""
-    def run(metas, comm):
-        results = []
-        for index, tensor in enumerate(tensors):
-            counts = [metas[r].shapes[index][0] for r in range(comm.world_size)]
-            rest = tuple(tensor.shape[1:])
-            per_row = int(torch.Size(rest).numel())
-            widest = max(counts)
-            mine = torch.zeros(widest * per_row, dtype=tensor.dtype)
-            mine[:tensor.numel()] = tensor.reshape(-1)
-            gathered = torch.empty(comm.world_size * widest * per_row, dtype=tensor.dtype)
-            api.all_gather(gathered, mine, comm=comm, check=False)
-            pieces = [gathered[r * widest * per_row:(r * widest + counts[r]) * per_row]
-                      for r in range(comm.world_size)]
-            results.append((torch.cat(pieces).view(sum(counts), *rest), counts))
-        return results
-    return run
-
-
-def _broadcast_run(tensor: torch.Tensor, root_rank: int):
-    def run(metas, comm):
-        flat = tensor.reshape(-1).clone() if not tensor.is_contiguous() else tensor.view(-1)
-        api.broadcast(flat, src=root_rank, comm=comm, check=False)
-        if flat.data_ptr() != tensor.data_ptr():
-            tensor.copy_(flat.view_as(tensor))
-        return tensor
-    return run
-
-
-def _alltoall_run(tensor: torch.Tensor, splits: List[int]):
-    """Send splits[p] rows to rank p (rows past their sum stay here, as in Horovod);
-    the result: (rows received, concatenated in rank order; how many from each rank)."""
-    def run(metas, comm):
-        received = [metas[peer].splits[comm.rank] for peer in range(comm.world_size)]
-        rest = tuple(tensor.shape[1:])
-        inputs = list(torch.split(tensor.contiguous()[:sum(splits)], splits))
-        outputs = [tensor.new_empty((count,) + rest) for count in received]
-        api.all_to_all(outputs, [i.contiguous() for i in inputs], comm=comm)
-        return torch.cat(outputs), received
-    return run
-
-
-def reducescatter_rows(first_dim: int, world_size: int) -> List[int]:
-    """How Horovod splits the first dimension: the first (dim % n) ranks get one more."""
-    base, extra = divmod(first_dim, world_size)
-    return [base + (1 if rank < extra else 0) for rank in range(world_size)]
-
-
-def _reducescatter_run(tensors: List[torch.Tensor], op: str, prescale: float,
-                       postscale: float):
-    """Reduce each tensor over ranks and keep this rank's rows of it (Horovod's split:
-    reducescatter_rows); the result: one tensor per input."""
-    def run(metas, comm):
-        return [_reducescatter_one(t, op, prescale, postscale, comm) for t in tensors]
-    return run
-
-
-def _reducescatter_one(tensor: torch.Tensor, op: str, prescale: float, postscale: float,
-                       comm: Transport) -> torch.Tensor:
-    rows = reducescatter_rows(tensor.shape[0], comm.world_size)
-    per_row = tensor[0].numel() if tensor.shape[0] else 0
-    widest = max(rows)
-    # Each rank's share padded to the widest, so the ring's equal chunks line up.
-    padded = tensor.new_zeros(comm.world_size * widest * per_row)
-    start = 0
-    for rank, count in enumerate(rows):
-        padded[rank * widest * per_row:(rank * widest + count) * per_row] = \
-            tensor[start:start + count].reshape(-1)
-        start += count
-    _scale(padded, prescale)
-    out = tensor.new_empty(widest * per_row)
-    if op == Average and not tensor.is_floating_point():
-        # Summed in int64, then scaled once by postscale / size and rounded toward zero,
-        # as allreduce's (_reduce_in_place): dividing first and scaling after would
-        # round twice (2 + 5 averaged with postscale 2: 6, where trunc(7 * 2 / 2) is 7).
-        wide = torch.empty(widest * per_row, dtype=torch.int64)
-        api.reduce_scatter(wide, padded.to(torch.int64), op=Sum, comm=comm, check=False)
-        if postscale == 1.0:  # exact, even beyond float64's 2^53
-            out.copy_(torch.div(wide, comm.world_size, rounding_mode="trunc"))
-        else:
-            out.copy_((wide.double() * (postscale / comm.world_size)).to(out.dtype))
-    else:
-        api.reduce_scatter(out, padded, op=op, comm=comm, check=False)
-        _scale(out, postscale)
-    mine = rows[comm.rank]
-    return out[:mine * per_row].view((mine,) + tuple(tensor.shape[1:]))
-
-
 # --- submitting ---------------------------------------------------------------------------
 # Each returns a handle number; `then` turns the engine's result into what
 # synchronize(handle) returns (the caller's own tensor for the in-place forms). `where`
@@ -264,8 +71,8 @@ def _submit_allreduce(tensors, op, prescale, postscale, name, where: Scope,
         _check(tensor, kind)
     meta = Meta.of("allreduce", tensors, op=op, prescale=prescale, postscale=postscale,
                    algorithm=algorithm, process_set=where.id)
-    return engine().submit(kind, name, meta, _allreduce_run(list(tensors), op, prescale,
-                                                            postscale, algorithm), then)
+    return engine().submit(kind, name, meta, allreduce_run(list(tensors), op, prescale,
+                                                           postscale, algorithm), then)
 
 
 def _submit_allgather(tensors, name, where: Scope, kind="allgather", then=None) -> int:
@@ -275,7 +82,7 @@ def _submit_allgather(tensors, name, where: Scope, kind="allgather", then=None) 
         tensor = _check(tensor, kind).detach().contiguous()
         shaped.append(tensor if tensor.dim() else tensor.reshape(1))
     return engine().submit(kind, name, Meta.of("allgather", shaped, process_set=where.id),
-                           _allgather_run(shaped), then)
+                           allgather_run(shaped), then)
 
 
 def _submit_broadcast(tensor, root_rank, name, where: Scope, then=None) -> int:
@@ -286,14 +93,14 @@ def _submit_broadcast(tensor, root_rank, name, where: Scope, then=None) -> int:
                          f"set (ranks {list(where.ranks)})")
     meta = Meta.of("broadcast", [tensor], root=root_rank, process_set=where.id)
     return engine().submit("broadcast", name, meta,
-                           _broadcast_run(tensor, where.ranks.index(root_rank)), then)
+                           broadcast_run(tensor, where.ranks.index(root_rank)), then)
 
 
 def _submit_alltoall(tensor, splits: List[int], name, where: Scope, then=None) -> int:
     """The result: (rows received, how many from each rank)."""
     _check(tensor, "alltoall")
     meta = Meta.of("alltoall", [tensor], splits=tuple(splits), process_set=where.id)
-    return engine().submit("alltoall", name, meta, _alltoall_run(tensor, splits), then)
+    return engine().submit("alltoall", name, meta, alltoall_run(tensor, splits), then)
 
 
 def _submit_reducescatter(tensors, op, prescale, postscale, name, where: Scope,
@@ -305,7 +112,7 @@ def _submit_reducescatter(tensors, op, prescale, postscale, name, where: Scope,
     meta = Meta.of("reducescatter", tensors, op=op, prescale=prescale, postscale=postscale,
                    process_set=where.id)
     return engine().submit(kind, name, meta,
-                           _reducescatter_run(tensors, op, prescale, postscale), then)
+                           reducescatter_run(tensors, op, prescale, postscale), then)
 
 
 def _gathered_tensor(results):

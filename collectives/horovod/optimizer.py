@@ -7,21 +7,33 @@ waits for them. Each bucket goes through the face's engine (engine.py) like any
 allreduce, so a rank that has called `hvd.join()` stands in for it with zeros.
 As in Horovod, a parameter without a gradient in a step takes part with zeros and gets
 the averaged gradient, so ranks that used different parameters never wait on each other.
+
+The optimizer stays the user's own object, of its own class (isinstance, param_groups,
+state_dict() and LR schedulers see nothing new). What Horovod adds lives beside it, in
+a DistributedGradients kept as `optimizer._distributed`:
+
+    optimizer.step()              ->  DistributedGradients.step(): synchronize(), then
+                                      the optimizer's own step
+    optimizer.synchronize()       ->  wait for every bucket (Bucketer.finish)
+    optimizer.skip_synchronize()  ->  step() without waiting, after synchronize()
+    optimizer.zero_grad()         ->  the optimizer's own, refused while buckets fly
 """
 from __future__ import annotations
 
 import contextlib
 import io
+import types
 import warnings
-from typing import Optional
+from typing import Dict, NamedTuple, Optional
 
 import torch
 
 from ..world import get_comm
-from ..bucketer import Bucketer
+from ..bucketer import Bucketer, BucketOptions
+from .engine import engine
 from .ops import (Adasum, Average, Sum, _submit_allreduce, allgather, broadcast_async_,
-                  engine, global_process_set, sparse_allreduce_async, synchronize)
-from .process_sets import ProcessSet, scope
+                  global_process_set, sparse_allreduce_async, synchronize)
+from .process_sets import ProcessSet, Scope, scope
 
 
 # --- compression, as Horovod's: compress(t) -> (t, ctx); decompress(t, ctx) -> t ---------
@@ -147,9 +159,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                     if isinstance(optimizer, torch.optim.SparseAdam) or (
                             isinstance(optimizer, torch.optim.SGD) and id(param) in sparse):
                         param.grad = param.grad.to_sparse()
-        getattr(optimizer, "_local_step", optimizer.step)()
+        _local_step(optimizer)
     optimizer.load_state_dict(broadcast_object(optimizer.state_dict(), root_rank,
                                                process_set=process_set))
+
+
+def _local_step(optimizer: torch.optim.Optimizer) -> None:
+    """One step of the optimizer's own, without reducing gradients (a
+    DistributedOptimizer's too)."""
+    distributed = getattr(optimizer, "_distributed", None)
+    (optimizer.step if distributed is None else distributed.local_step)()
 
 
 # --- the optimizer ------------------------------------------------------------------------
@@ -183,100 +202,180 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     process_set: gradients are averaged over its ranks only; on a rank outside it the
     optimizer steps on its own gradients, as in Horovod.
 
-    Returns the same optimizer object (so LR schedulers and isinstance checks still work)
-    with step() wrapped and synchronize() / skip_synchronize() added.
+    Returns the same optimizer object (so LR schedulers, isinstance checks,
+    param_groups and state_dict() work as before) with step() and zero_grad() wrapped
+    and synchronize() / skip_synchronize() added; what they share is a
+    DistributedGradients, kept as `optimizer._distributed`.
     """
     names = _parameter_names(optimizer, named_parameters)  # before init is needed
     if op == Adasum:
         raise NotImplementedError("Adasum is not provided; use hvd.Average or hvd.Sum")
     if backward_passes_per_step < 1:
         raise ValueError(f"backward_passes_per_step must be >= 1, got {backward_passes_per_step}")
-    comm = get_comm()
     engine()  # made here, on every rank alike, if hvd.init() has not made it
     outside = isinstance(process_set, ProcessSet) and \
         process_set.process_set_id is not None and not process_set.included()
     where = None if outside else scope(process_set)  # (scope() says what is wrong, if any)
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-
-    if op == Average and where is not None:  # divide (at least partly) first: a float16
-        prescale = 1.0 / gradient_predivide_factor if gradient_predivide_factor != 1.0 \
-            else 1.0 / where.size                        # sum must not overflow
-        postscale = gradient_predivide_factor / where.size \
-            if gradient_predivide_factor != 1.0 else 1.0
-        reduce = "sum"
-    else:
-        prescale, postscale, reduce = 1.0, 1.0, op
-
-    def reduce_bucket(flat: torch.Tensor) -> None:
-        name = bucket_names[flat.data_ptr()]
-        sent, ctx = compression.compress(flat)
-        synchronize(_submit_allreduce([sent], reduce, prescale, postscale, name, where,
-                                      algorithm))
-        if sent is not flat:
-            flat.copy_(compression.decompress(sent, ctx))
-
-    def reduce_sparse(param: torch.Tensor, grad: torch.Tensor):
-        if op not in (Average, Sum):
-            raise NotImplementedError(f"sparse gradients are summed or averaged; op {op!r} "
-                                      "needs sparse_as_dense=True")
-        return sparse_allreduce_async(grad, names[param], op, process_set)
-
-    ids = {id(p): name for p, name in names.items()}
-    bucketer, bucket_names = None, {}
+    distributed = DistributedGradients(
+        optimizer, names, where, process_set, compression=compression, op=op,
+        gradient_predivide_factor=gradient_predivide_factor, algorithm=algorithm)
     if where is not None:  # a rank outside the process set reduces nothing
-        bucketer = Bucketer(params, reduce_bucket, comm, bucket_cap_mb=bucket_cap_mb,
-                            finish_after_backward=False, names=ids, unused="zeros",
-                            passes_per_sync=backward_passes_per_step,
-                            sparse_as_dense=sparse_as_dense or sparse,
-                            sparse_reduce=reduce_sparse)
-        bucket_names = {bucket.buffer.data_ptr():
-                        f"bucket{bucket.index}.{ids[id(bucket.params[0])]}"
-                        for bucket in bucketer.buckets}
-    local_step, local_zero_grad = optimizer.step, optimizer.zero_grad
-    state = {"skipping": False, "synchronized": False}
+        distributed.start_bucketing(bucket_cap_mb, backward_passes_per_step,
+                                    sparse_as_dense or sparse)
+    _attach(optimizer, distributed)
+    return optimizer
 
-    def synchronize_gradients() -> None:
+
+class BucketReduction(NamedTuple):
+    """How each bucket of gradients is reduced over the process set's ranks."""
+    op: str           # what the engine runs: "sum" for an average (the scales divide)
+    prescale: float   # before the sum: part of the division, so float16 cannot overflow
+    postscale: float  # after the sum: the rest of it
+
+
+def bucket_reduction(op: str, gradient_predivide_factor: float,
+                     size: Optional[int]) -> BucketReduction:
+    """Horovod's average of gradients as a sum between two scales: divided by the
+    number of ranks before the sum, or, with gradient_predivide_factor f, by f before
+    and by size / f after. Other ops (and a rank outside the set: size None) as they
+    are."""
+    if op != Average or size is None:
+        return BucketReduction(op, 1.0, 1.0)
+    if gradient_predivide_factor == 1.0:
+        return BucketReduction(Sum, 1.0 / size, 1.0)
+    return BucketReduction(Sum, 1.0 / gradient_predivide_factor,
+                           gradient_predivide_factor / size)
+
+
+class DistributedGradients:
+    """What DistributedOptimizer adds to an optimizer: a Bucketer that reduces its
+    gradients over ranks during backward, each bucket an allreduce of the engine, and
+    the two flags that step() reads.
+
+    step() waits for every bucket (synchronize()), then runs the optimizer's own step;
+    after an explicit synchronize() (to clip the averaged gradients, say) the step goes
+    inside skip_synchronize(), or it warns and does not reduce twice.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, names: dict, where: Optional[Scope],
+                 process_set, *, compression, op: str, gradient_predivide_factor: float,
+                 algorithm: str):
+        self.local_step = optimizer.step        # the optimizer's own methods, from before
+        self.local_zero_grad = optimizer.zero_grad
+        self.params = [p for group in optimizer.param_groups for p in group["params"]]
+        self.names = names                      # parameter -> its name (Horovod's rules)
+        self.where, self.process_set = where, process_set  # None: outside the set
+        self.compression, self.op, self.algorithm = compression, op, algorithm
+        self.reduction = bucket_reduction(op, gradient_predivide_factor,
+                                          None if where is None else where.size)
+        self.bucketer: Optional[Bucketer] = None  # made by start_bucketing()
+        self.bucket_names: Dict[int, str] = {}    # id(bucket buffer) -> its allreduce's name
+        self.skipping = False      # inside skip_synchronize(): step() does not wait
+        self.synchronized = False  # synchronize() ran since the last step()
+
+    def start_bucketing(self, bucket_cap_mb: float, passes_per_step: int,
+                        sparse_as_dense: bool) -> None:
+        """Make the Bucketer (its hooks go on the parameters) and name every bucket
+        after its index and first parameter: `bucket0.fc.bias`, the same on every rank."""
+        ids = {id(p): name for p, name in self.names.items()}
+        options = BucketOptions.horovod(bucket_cap_mb, passes_per_step, sparse_as_dense,
+                                        self.reduce_sparse)
+        self.bucketer = Bucketer(self.params, self.reduce_bucket, get_comm(), options,
+                                 names=ids)
+        # The Bucketer hands reduce_bucket each bucket's own buffer, the one tensor it
+        # keeps for that bucket: the buffer object finds the bucket's name.
+        self.bucket_names = {id(bucket.buffer): f"bucket{bucket.index}."
+                             f"{ids[id(bucket.params[0])]}" for bucket in self.bucketer.buckets}
+
+    # --- during backward, on the Bucketer's communication thread ----------------------
+    def reduce_bucket(self, flat: torch.Tensor) -> None:
+        """One bucket's allreduce through the engine, compressed on the way."""
+        sent, ctx = self.compression.compress(flat)
+        op, prescale, postscale = self.reduction
+        synchronize(_submit_allreduce([sent], op, prescale, postscale,
+                                      self.bucket_names[id(flat)], self.where,
+                                      self.algorithm))
+        if sent is not flat:
+            flat.copy_(self.compression.decompress(sent, ctx))
+
+    def reduce_sparse(self, param: torch.Tensor, grad: torch.Tensor):
+        """Start a sparse gradient's reduction (hvd.sparse_allreduce_async, under the
+        parameter's name); the Bucketer calls what it returns to wait for it."""
+        if self.op not in (Average, Sum):
+            raise NotImplementedError(f"sparse gradients are summed or averaged; op "
+                                      f"{self.op!r} needs sparse_as_dense=True")
+        return sparse_allreduce_async(grad, self.names[param], self.op, self.process_set)
+
+    # --- what the optimizer's methods do ------------------------------------------------
+    def synchronize(self) -> None:
         """Wait for every gradient's allreduce (all of them: those that got no gradient
         this step take part with zeros)."""
-        if bucketer is not None:
-            bucketer.finish(always=True)
-        state["synchronized"] = True
+        if self.bucketer is not None:
+            self.bucketer.finish(always=True)
+        self.synchronized = True
 
-    def step(closure=None):
-        if not state["skipping"]:
-            if state["synchronized"]:
+    def step(self, closure=None):
+        """Wait for the gradients, unless inside skip_synchronize(); then the
+        optimizer's own step."""
+        if not self.skipping:
+            if self.synchronized:
                 warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
                               "context after optimizer.synchronize(). The gradients were "
                               "already averaged; they are not averaged again.")
             else:
-                synchronize_gradients()
-        state["synchronized"] = False
-        return local_step(closure) if closure is not None else local_step()
+                self.synchronize()
+        self.synchronized = False
+        return self.local_step(closure) if closure is not None else self.local_step()
 
-    def zero_grad(*args, **kwargs):
-        if bucketer is not None and bucketer.in_flight:
+    def zero_grad(self, *args, **kwargs):
+        """The optimizer's own zero_grad(), refused while buckets are in flight (their
+        results would land in the gradients just cleared)."""
+        if self.bucketer is not None and self.bucketer.in_flight:
             raise AssertionError("optimizer.zero_grad() was called after loss.backward() but "
                                  "before optimizer.step() or optimizer.synchronize(); the "
                                  "gradients are still being averaged")
-        return local_zero_grad(*args, **kwargs)
+        return self.local_zero_grad(*args, **kwargs)
 
     @contextlib.contextmanager
-    def skip_synchronize():
-        """step() without waiting: for when synchronize() was called already (clipping, AMP)."""
-        state["skipping"] = True
+    def skip_synchronize(self):
+        """step() without waiting: for when synchronize() was called already (clipping,
+        AMP)."""
+        self.skipping = True
         try:
             yield
         finally:
-            state["skipping"] = False
+            self.skipping = False
 
-    optimizer.step = step
-    optimizer.zero_grad = zero_grad
-    optimizer.synchronize = synchronize_gradients
-    optimizer.skip_synchronize = skip_synchronize
-    optimizer._local_step = local_step
-    optimizer._parameter_names = names
-    optimizer._collectives_bucketer = bucketer
-    return optimizer
+
+# Horovod's methods, as the optimizer gets them: bound to the optimizer, each calling
+# into its DistributedGradients. Bound to the optimizer (not to the DistributedGradients)
+# because torch's LR schedulers rebind optimizer.step's function to the optimizer when
+# they wrap it.
+def _step(optimizer, closure=None):
+    return optimizer._distributed.step(closure)
+
+
+def _zero_grad(optimizer, *args, **kwargs):
+    return optimizer._distributed.zero_grad(*args, **kwargs)
+
+
+def _synchronize(optimizer) -> None:
+    optimizer._distributed.synchronize()
+
+
+def _skip_synchronize(optimizer):
+    return optimizer._distributed.skip_synchronize()
+
+
+def _attach(optimizer: torch.optim.Optimizer, distributed: DistributedGradients) -> None:
+    """Give the user's optimizer object Horovod's methods: its class, param_groups and
+    state are left as they were."""
+    optimizer._distributed = distributed
+    optimizer._parameter_names = distributed.names  # Horovod's: parameter -> name
+    optimizer.step = types.MethodType(_step, optimizer)
+    optimizer.zero_grad = types.MethodType(_zero_grad, optimizer)
+    optimizer.synchronize = types.MethodType(_synchronize, optimizer)
+    optimizer.skip_synchronize = types.MethodType(_skip_synchronize, optimizer)
 
 
 def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters) -> dict:

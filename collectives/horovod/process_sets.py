@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from ..world import get_comm
+from .engine import Engine, engine
 from .negotiation import Meta
 
 
@@ -81,8 +82,6 @@ class ProcessSet:
 global_process_set = ProcessSet([])  # every rank; its ranks are filled in by hvd.init()
 global_process_set.process_set_id = 0
 
-_added: List[ProcessSet] = []  # the sets added since hvd.init(), made invalid at shutdown
-
 
 @dataclass(frozen=True)
 class Scope:
@@ -108,7 +107,7 @@ def scope(process_set: ProcessSet) -> Scope:
         return Scope(0, tuple(range(comm.world_size)), comm.rank)
     ranks = None
     if process_set.process_set_id is not None:
-        ranks = _engine().table.sets.get(process_set.process_set_id)
+        ranks = engine().table.sets.get(process_set.process_set_id)
     if ranks is None:
         raise ValueError(f"{process_set} has not been added (hvd.add_process_set, or "
                          "hvd.init(process_sets=...)), or was removed")
@@ -130,12 +129,12 @@ def add_process_set(process_set) -> ProcessSet:
     if not ranks or len(set(ranks)) != len(ranks) or not 0 <= ranks[0] <= ranks[-1] < size:
         raise ValueError(f"a process set holds distinct ranks of 0..{size - 1}, at least "
                          f"one; got {list(ranks)}")
-    engine = _engine()
-    if ranks == engine.table.sets[0] or engine.table.set_id(ranks) is not None:
+    current = engine()
+    if ranks == current.table.sets[0] or current.table.set_id(ranks) is not None:
         raise ValueError(f"Attempted to add a duplicate process set: {process_set} (a set "
                          f"of ranks {list(ranks)} exists already)")
-    process_set.process_set_id = _change(engine, "add_process_set", ranks)
-    _added.append(process_set)
+    process_set.process_set_id = _change(current, "add_process_set", ranks)
+    current.added_sets.append(process_set)  # to lose its id when the engine goes
     return process_set
 
 
@@ -144,12 +143,12 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     global set or a set not added. The ProcessSet is left without an id."""
     if process_set.process_set_id in (None, 0):
         return False
-    engine = _engine()
-    ranks = engine.table.sets.get(process_set.process_set_id)
+    current = engine()
+    ranks = current.table.sets.get(process_set.process_set_id)
     if ranks is None:
         process_set._invalidate()
         return False
-    _change(engine, "remove_process_set", ranks)
+    _change(current, "remove_process_set", ranks)
     process_set._invalidate()
     return True
 
@@ -166,7 +165,7 @@ def add_at_init(process_sets) -> None:
         if not isinstance(process_set, ProcessSet):
             raise ValueError(f"hvd.init(process_sets=...) takes hvd.ProcessSet objects, got "
                              f"{type(process_set).__name__}")
-        known = _engine().table.set_id(process_set.ranks)
+        known = engine().table.set_id(process_set.ranks)
         if known is not None and known == process_set.process_set_id:
             continue  # added by an earlier hvd.init(): init is idempotent
         if known is not None or process_set.ranks == global_process_set.ranks:
@@ -175,21 +174,11 @@ def add_at_init(process_sets) -> None:
         add_process_set(process_set)
 
 
-def forget() -> None:
-    """hvd.shutdown(): every set added is gone with the engine's table."""
-    for process_set in _added:
-        process_set._invalidate()
-    _added.clear()
-
-
-def _change(engine, kind: str, ranks: Tuple[int, ...]):
-    """Add or remove the set of `ranks` by a collective of every rank; the new id."""
-    from .ops import synchronize
+def _change(current: Engine, kind: str, ranks: Tuple[int, ...]) -> Optional[int]:
+    """Add or remove the set of `ranks` by a collective of every rank, negotiated on
+    the engine like any other; the set's id in the table once it has run (None once
+    removed)."""
     meta = Meta(kind, members=ranks)
-    return synchronize(engine.submit(kind, None, meta,
-                                     lambda metas, comm: engine.table.set_id(ranks)))
-
-
-def _engine():
-    from .ops import engine  # ops.py builds on this file: it is imported when called
-    return engine()
+    handle = current.submit(kind, None, meta,
+                            lambda metas, comm: current.table.set_id(ranks))
+    return current.synchronize(handle)

@@ -9,7 +9,7 @@ rank has before and after its communication:
                      MPI, or from Slurm's node list
     exit.py          how does a job end? background threads, then the communicator;
                      one failing rank aborts an MPI job
-    mpi.py           mpi4py, loaded on first use
+    lazy_mpi.py      mpi4py, imported on first use (importing it initialises MPI)
     mpirun.py        which mpirun? the one belonging to mpi4py's MPI (launch_mpi.sh)
     spawn.py         N ranks on this machine without a launcher (the benchmarks' --nproc)
 

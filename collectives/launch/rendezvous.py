@@ -20,7 +20,7 @@ import socket
 from typing import Tuple
 
 from .environment import LaunchError, LaunchInfo
-from .mpi import mpi, mpi_world
+from .lazy_mpi import mpi, mpi_world
 from .spawn import free_port
 
 

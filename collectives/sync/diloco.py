@@ -37,7 +37,7 @@ Literature: Douillard et al., "DiLoCo: Distributed Low-Communication Training of
 Language Models" (2023): inner AdamW, H = 500, outer Nesterov lr 0.7 momentum 0.9,
 matching synchronous training with 500x less communication. Douillard et al.,
 "Streaming DiLoCo with overlapping communication" (2025): fragments and tau. torchft's
-`DiLoCo` (torchft/local_sgd.py) implements both; trainer/torch_peers.py runs it as the
+`DiLoCo` (torchft/local_sgd.py) implements both; trainer/torchft_peer.py runs it as the
 peer `torchft-diloco`, and the tests check that both end with the same parameters.
 
 Checkpoint: the synced weights of every fragment, the outer optimizer's momentum, and

@@ -64,9 +64,10 @@ from ..launch.exit import EXIT_GRACE_SECONDS
 from ..transport import Transport
 from .work import Refused, Work, Worker
 
-# Keyed by the RedOpType's .value, a plain int: on a machine whose cores are shared, the
-# caches are cold at every call, and each read from torch's bound objects costs ~10 us
-# (hashing the enum itself costs another read).
+# Keyed by the RedOpType's .value, a plain int: every call looks its op up here, and
+# where cores are shared the caches are cold at every call, so each read from torch's
+# bound objects is slow (hashing the enum itself would cost another read).
+# Measured: docs/torch_backend.md, "Where the 4-rank gap goes: cold caches".
 _OPS = {kind.value: name for kind, name in (
     (dist.ReduceOp.SUM, "sum"), (dist.ReduceOp.AVG, "avg"), (dist.ReduceOp.MAX, "max"),
     (dist.ReduceOp.MIN, "min"), (dist.ReduceOp.PRODUCT, "product"),

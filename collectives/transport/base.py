@@ -16,13 +16,18 @@ underneath (gloo, nccl, mpi, or a world of one); nothing above it does. Algorith
 Messages between one pair of ranks arrive in the order they were sent (every backend
 here guarantees it), so algorithms need no tags. On NCCL (`step_by_step`) a rank's
 postings also run one after another, each to its end: an algorithm there posts each
-step's sends and receives together with `exchange()` and posts nothing ahead. The same ordering means two threads
-must not run send/recv-based collectives on one communicator at the same time (one
-could take the other's messages): a second thread uses its own, `comm.duplicate()`.
+step's sends and receives together with `exchange()` and posts nothing ahead. The same
+ordering means two threads must not run send/recv-based collectives on one
+communicator at the same time (one could take the other's messages): a second thread
+uses its own, `comm.duplicate()`.
 The backends' native collectives never match point-to-point messages.
 
 Every transport counts the bytes it sends and receives in `comm.traffic`, so an
 algorithm or a sync strategy can report what it cost on the wire.
+
+Every public collective runs inside `comm.checked_call(call)` (calls.py): the ranks
+compare what they are calling before or while it runs, and `comm.calls` counts the
+calls and says whether the ranks are still in step (`comm.out_of_step`).
 """
 from __future__ import annotations
 
@@ -33,6 +38,9 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+# PeerError and CallMismatch live beside the calls they fail (calls.py); every
+# transport takes them from here.
+from .calls import Call, CallCheck, CallMismatch, PeerError  # noqa: F401
 from .topology import Topology
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product", "band", "bor", "bxor")
@@ -54,7 +62,7 @@ class Traffic:
     bytes_received: int = 0
     messages_sent: int = 0
     messages_received: int = 0
-    # Point-to-point bytes by route, where a transport has several (shm.py): e.g.
+    # Point-to-point bytes by route, where a transport has several (shm/): e.g.
     # {"shm": [sent, received], "network": [sent, received]}. Empty: one route.
     routes: dict = field(default_factory=dict)
     # a communicator and its duplicates share one Traffic, updated from several threads
@@ -91,19 +99,6 @@ class Traffic:
         with self.lock:
             return Traffic(self.bytes_sent, self.bytes_received, self.messages_sent,
                            self.messages_received, {k: list(v) for k, v in self.routes.items()})
-
-
-class PeerError(RuntimeError):
-    """Talking to another rank failed: it died, stalled past the timeout, or disagreed."""
-
-
-class CallMismatch(PeerError):
-    """The ranks announced different calls (Transport.announce_call). `rows` holds each
-    rank's announced row, in rank order (None: not announced yet); api.py names them."""
-
-    def __init__(self, rows: List[Optional[List[int]]]):
-        super().__init__("the ranks announced different calls")
-        self.rows = rows
 
 
 class Handle:
@@ -200,10 +195,10 @@ class Transport:
 
     backend: str = "?"
     # The message size that pipelines best on this transport: algorithms cut big
-    # messages into segments of about this size (see ring.py). Below a few MiB each
-    # message's fixed cost wins over the pipelining it buys on a 2-core machine, over
-    # TCP and shared memory alike (docs/benchmarks.md). A slow link between hosts
-    # wants smaller ones: segment_for_link.
+    # messages into segments of about this size (see ring.py). Smaller ones cost more
+    # in each message's fixed cost than their pipelining buys, except on a slow link
+    # between hosts: segment_for_link. Measured: docs/benchmarks.md, "Shared memory:
+    # slot and segment sizes" and "Ring segment size over TCP".
     segment_bytes: int = 4 << 20
 
     @staticmethod
@@ -211,9 +206,8 @@ class Transport:
         """The segment for a network of `rate` bytes/s each way: what it moves in about
         40 ms (a power of two, from 64 KiB to the 4 MiB default). A segment is forwarded
         only once all of it has arrived, so on a slow link a big one leaves the next
-        link waiting: on 4 emulated hosts at 100 Mbit/s a 16 MiB ring took 2.59 s in
-        4 MiB segments, 2.12 s in 256 KiB ones (one run each; runs vary by 10 %); at
-        1 Gbit/s 4 MiB was best (docs/benchmarks.md)."""
+        link waiting (measured on the emulated cluster: docs/benchmarks.md, "Ring
+        segment size over TCP")."""
         wanted = max(64 << 10, min(Transport.segment_bytes, int(rate * 0.04)))
         return 1 << (wanted.bit_length() - 1)
     # Whether _isend/_irecv (and the native collectives) take tensors on an accelerator
@@ -231,10 +225,6 @@ class Transport:
     # Whether the backend's own collectives (native_all_reduce, native_broadcast,
     # barrier) exist here. Some ranks of a communicator (group.py) have none.
     native_collectives: bool = True
-    # Set (to why) when a call checked after its exchange turned out to disagree
-    # across ranks (api.py): messages of it may be left, and a transport that checks
-    # it (shm.py) refuses everything after.
-    out_of_step: Optional[str] = None
     # auto's tuning table for this world (algorithms/tuning.py), which every rank agreed
     # on at init, and where auto's choice comes from, in words; None: the cost model.
     tuning = None
@@ -256,6 +246,7 @@ class Transport:
         # topology, tuning table) they were made for (api._auto).
         self.auto_choices: Dict[tuple, str] = {}
         self.auto_choices_for: tuple = ()
+        self.calls = CallCheck()  # how many calls, and whether the ranks are in step
 
     # --- point to point: subclasses implement _isend/_irecv ---------------------------
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
@@ -353,11 +344,11 @@ class Transport:
         scratch during one call, kept from call to call: the same name, dtype and
         device give the same memory (grown when a call needs more, kept while the
         communicator lives). Fresh memory is not free where a receive writes it: the
-        kernel maps and zeroes its pages on first touch (a 25 MB ring all-reduce over
-        TCP took 440-620 page faults a call). Only one call at a time may use it, which
-        the communicator's rule already asks: one thread's send/recv collectives at a
-        time, on it and its groups together (a group's workspace is its parent's);
-        another thread takes a duplicate, whose workspace is its own."""
+        kernel maps and zeroes its pages on first touch (what that cost, measured:
+        docs/benchmarks.md, "The same code before and after"). Only one call at a time
+        may use it, which the communicator's rule already asks: one thread's send/recv
+        collectives at a time, on it and its groups together (a group's workspace is
+        its parent's); another thread takes a duplicate, whose workspace is its own."""
         key = (name, like.dtype, like.device)
         buffer = self._workspace.get(key)
         if buffer is None or buffer.numel() < numel:
@@ -368,8 +359,8 @@ class Transport:
 
     def release_workspace(self) -> None:
         """Forget the workspace: a call that failed may have left receives that still
-        write into it, so the next call gets fresh memory (api.py calls this on a
-        PeerError)."""
+        write into it, so the next call gets fresh memory (the call check calls this on
+        a PeerError, calls.py)."""
         self._workspace = {}
 
     def _check_peer(self, tensor: torch.Tensor, peer: int, what: str) -> None:
@@ -457,12 +448,26 @@ class Transport:
     def _duplicate(self) -> "Transport":
         raise NotImplementedError
 
-    # --- the call check without a message of its own (api.py) --------------------------
+    # --- the call check (calls.py) ------------------------------------------------------
+    def checked_call(self, call: Call):
+        """The context every public collective runs in (api.py): refused once the ranks
+        are out of step, `call`'s signature compared across ranks, the call counted,
+        and a PeerError inside named after it (calls.py)."""
+        return self.calls.checked(self, call)
+
+    @property
+    def out_of_step(self) -> Optional[str]:
+        """Why this communicator refuses every call (an earlier one may have left
+        messages behind), or None while its ranks are in step; shm/ refuses its
+        messages too."""
+        return self.calls.out_of_step
+
+    # The call board: a check without a message of its own, where a transport has one.
     def announce_call(self, row: List[int]) -> bool:
         """Publish this rank's next checked call (a row of integers) where every peer
-        can read it without a message; False where this transport cannot (then api.py
-        exchanges the rows in a handshake). shm.py can when the whole world is on one
-        host. After announcing, the call runs, and then confirm_call()."""
+        can read it without a message; False where this transport cannot (then the
+        ranks exchange the rows in a handshake). shm/board.py can when the whole world is on
+        one host. After announcing, the call runs, and then confirm_call()."""
         return False
 
     def confirm_call(self, timeout: Optional[float] = None) -> None:

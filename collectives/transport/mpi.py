@@ -21,7 +21,7 @@ from datetime import timedelta
 
 import torch
 
-from ..launch.mpi import mpi
+from ..launch.lazy_mpi import mpi
 from .base import Handle, PeerError, Transport
 
 

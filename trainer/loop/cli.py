@@ -9,7 +9,7 @@ from collectives import algorithms, sync
 from collectives.launch import add_local_rank_argument
 from .. import torch_peers
 from . import progress
-from .models import ARCHITECTURES
+from .networks import ARCHITECTURES
 
 DESCRIPTION = """\
 Data-parallel training of a torchvision ResNet with communication from `collectives`.

@@ -53,7 +53,7 @@ from . import checkpoint, data
 from .cli import create_sync, fail
 from .dynamic_shards import cosine_decay
 from .evaluation import evaluate, evaluated_copy
-from .models import build_model, seed_everything
+from .networks import build_model, seed_everything
 
 STORE_VARIABLE = "COLLECTIVES_ELASTIC_STORE"  # HOST:PORT, where --store is not given
 

@@ -64,7 +64,7 @@ from .dynamic_shards import ClaimCounter, DynamicShards, progress_schedule
 from .elastic import train_elastic
 from .progress import progress
 from .evaluation import autocast, evaluate, evaluated_copy
-from .models import build_model, seed_everything
+from .networks import build_model, seed_everything
 
 
 def main(argv=None) -> None:

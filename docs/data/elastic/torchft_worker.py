@@ -55,7 +55,7 @@ from torchft.optim import OptimizerWrapper  # noqa: E402
 from trainer.loop import data  # noqa: E402
 from trainer.loop.cli import build_parser  # noqa: E402
 from trainer.loop.dynamic_shards import cosine_decay  # noqa: E402
-from trainer.loop.models import build_model, seed_everything  # noqa: E402
+from trainer.loop.networks import build_model, seed_everything  # noqa: E402
 
 
 class SurvivingDDP(DistributedDataParallel):

@@ -1,4 +1,4 @@
-"""What a GPU does in the time the cost model gives it (docs/model.md, "Clusters we do not have").
+"""What a GPU does in the time the cost model gives it (docs/cost_model.md, "Clusters we do not have").
 
     python docs/data/gpu/measure.py --json gpu.jsonl
 
@@ -22,7 +22,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from trainer.loop.models import build_model
+from trainer.loop.networks import build_model
 
 
 def cuda_ms(fn, repeats: int, warmup: int = 5) -> float:

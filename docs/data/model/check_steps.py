@@ -1,4 +1,4 @@
-"""trainer.predict against trainer.bench: every traced run of runs.sh, step by step.
+"""trainer.replay against trainer.bench: every traced run of runs.sh, step by step.
 
     python docs/data/model/check_steps.py [CONSTANTS.json]
 
@@ -12,9 +12,9 @@ import os
 import re
 import sys
 
-from collectives.model import load, on_cluster
-from collectives.model.units import parse_rate
-from trainer.predict import profile_from_trace, rows_for
+from collectives.cost_model import load, on_cluster
+from collectives.cost_model.units import parse_rate
+from trainer.replay import profile_from_trace, rows_for
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

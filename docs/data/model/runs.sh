@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every run behind docs/model.md, in order: calibrate once on the emulated cluster, then
+# Every run behind docs/cost_model.md, in order: calibrate once on the emulated cluster, then
 # the collectives it was not fitted on, then the training steps. Run as root from the
 # repository root with nothing else running; writes docs/data/model/*. A run whose
 # output exists is skipped.
@@ -9,7 +9,7 @@ cluster() { python -m collectives.cluster --no-prefix "$@"; }
 
 # 1. Calibrate: 2 hosts x 2 ranks at 1 Gbit/s (every route is seen alone and mixed).
 [ -e $out/sweep.json ] || cluster --hosts 2 --ranks-per-host 2 --bandwidth 1gbit -- \
-    python -m collectives.model calibrate --out $PWD/$out/sweep.json \
+    python -m collectives.cost_model calibrate --out $PWD/$out/sweep.json \
     > $out/calibrate.log 2>&1
 # (the constants.json kept here is `calibrate --points sweep.json --out constants.json`:
 # the sweep was measured before the model's cores term existed; the fit is today's)
@@ -32,11 +32,11 @@ for hosts in 2 3 4; do
         bench $hosts $per_host 25mbit 64K,1M $algos
     done
 done
-python -m collectives.model check --constants $out/constants.json $out/bench_*.jsonl \
+python -m collectives.cost_model check --constants $out/constants.json $out/bench_*.jsonl \
     --json $out/check.jsonl > $out/check.txt
 
-# 3. Training steps: every modelled strategy and torch peer, traced for trainer.predict
-#    (ddp-powersgd is not modelled: trainer/predict.py says why).
+# 3. Training steps: every modelled strategy and torch peer, traced for trainer.replay
+#    (ddp-powersgd is not modelled: trainer/replay.py says why).
 SYNCS=allreduce,ddp,bf16,ddp-bf16,powersgd,local-sgd,ddp-localsgd
 steps() {  # hosts ranks-per-host link
     local name=$out/steps_${1}x${2}_$3

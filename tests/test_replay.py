@@ -1,4 +1,4 @@
-"""trainer.predict: the step simulator against hand computations, the trace reader on a
+"""trainer.replay: the step simulator against hand computations, the trace reader on a
 hand-made trace, the command's errors, and one end-to-end run on a real tiny trace."""
 import json
 import subprocess
@@ -8,8 +8,8 @@ import pytest
 
 from collectives.algorithms import fastest
 from collectives.algorithms.costs import WIRE_EFFICIENCY, Constants, Route, Shape
-from trainer import predict
-from trainer.predict import Bucket, StepProfile, profile_from_trace, simulate
+from trainer import replay
+from trainer.replay import TracedBucket, TracedStep, profile_from_trace, simulate
 
 RATE = 1e9  # bytes/s: the link in the hand computations
 SECONDS_PER_BYTE = 1 / (RATE * WIRE_EFFICIENCY)
@@ -25,17 +25,17 @@ def link_only() -> Constants:
                      native=zero).with_link(RATE, 0.0)
 
 
-def profile(**fields) -> StepProfile:
+def profile(**fields) -> TracedStep:
     base = dict(sync="allreduce", forward_s=0.1, backward_s=0.5, optimizer_s=0.05)
     base.update(fields)
-    return StepProfile(**base)
+    return TracedStep(**base)
 
 
 def test_one_bucket_waits_what_the_link_takes():
     """A bucket of K bytes ready at t into backward: it ends at t + K/rate; backward's
     compute ends at 0.5, so the training thread waits the rest."""
     nbytes, ready = 100e6, 0.45
-    result = simulate(profile(buckets=[Bucket(ready, nbytes)]), TWO_HOSTS, link_only())
+    result = simulate(profile(buckets=[TracedBucket(ready, nbytes)]), TWO_HOSTS, link_only())
     comm = nbytes * SECONDS_PER_BYTE  # 0.1046 s
     waited = ready + comm - 0.5
     assert waited > 0
@@ -45,7 +45,7 @@ def test_one_bucket_waits_what_the_link_takes():
 
 
 def test_a_bucket_done_before_backward_ends_costs_nothing():
-    result = simulate(profile(buckets=[Bucket(0.1, 10e6)]), TWO_HOSTS, link_only())
+    result = simulate(profile(buckets=[TracedBucket(0.1, 10e6)]), TWO_HOSTS, link_only())
     assert result.waited_s == 0
     assert result.step_s == pytest.approx(0.65)
 
@@ -54,16 +54,16 @@ def test_buckets_queue_behind_each_other():
     """Two buckets ready at once: the second starts when the first ends."""
     nbytes = 200e6
     comm = nbytes * SECONDS_PER_BYTE
-    result = simulate(profile(buckets=[Bucket(0.1, nbytes), Bucket(0.1, nbytes)]),
+    result = simulate(profile(buckets=[TracedBucket(0.1, nbytes), TracedBucket(0.1, nbytes)]),
                       TWO_HOSTS, link_only())
     assert result.waited_s == pytest.approx(0.1 + 2 * comm - 0.5, rel=1e-9)
-    alone = simulate(profile(buckets=[Bucket(0.1, nbytes)]), TWO_HOSTS, link_only())
+    alone = simulate(profile(buckets=[TracedBucket(0.1, nbytes)]), TWO_HOSTS, link_only())
     assert alone.waited_s == pytest.approx(max(0.0, 0.1 + comm - 0.5))
 
 
 def test_bucket_work_and_half_bytes_for_bf16():
     nbytes, work = 400e6, 0.02
-    result = simulate(profile(sync="bf16", buckets=[Bucket(0.3, nbytes, work)]),
+    result = simulate(profile(sync="bf16", buckets=[TracedBucket(0.3, nbytes, work)]),
                       TWO_HOSTS, link_only())
     assert result.waited_s == pytest.approx(0.3 + work + nbytes / 2 * SECONDS_PER_BYTE - 0.5)
 
@@ -72,7 +72,7 @@ def test_compute_scale_scales_compute_only():
     """Twice as fast a device: every compute figure halves, the link's time does not."""
     nbytes = 100e6
     comm = nbytes * SECONDS_PER_BYTE
-    p = profile(buckets=[Bucket(0.45, nbytes, 0.01)], writeback_s=0.02, moment_s=0.04)
+    p = profile(buckets=[TracedBucket(0.45, nbytes, 0.01)], writeback_s=0.02, moment_s=0.04)
     result = simulate(p, TWO_HOSTS, link_only(), scale=2.0)
     ready, work, end_of_backward = 0.45 / 2, 0.01 / 2, 0.5 / 2
     waited = ready + work + comm - end_of_backward
@@ -85,7 +85,7 @@ def test_compute_scale_scales_compute_only():
 def test_local_sgd_amortises_its_averaging_over_its_period():
     nbytes = 50e6
     average = nbytes * SECONDS_PER_BYTE
-    p = profile(sync="local-sgd", buckets=[Bucket(0.2, nbytes)], averaging_bytes=int(nbytes))
+    p = profile(sync="local-sgd", buckets=[TracedBucket(0.2, nbytes)], averaging_bytes=int(nbytes))
     for period in (1, 4, 8):
         result = simulate(p, TWO_HOSTS, link_only(), period=period)
         assert result.waited_s == pytest.approx(average / period, rel=1e-9)  # buckets: free
@@ -99,16 +99,16 @@ def test_powersgd_waits_for_its_all_reduces_on_the_training_thread():
     result = simulate(p, TWO_HOSTS, link_only())
     # auto without a tuning table: the model's quickest. On links alone (no latency)
     # that is the ring at every size: K/2 each way, twice, K in all on 2 hosts
-    assert [predict.auto_choice(n, TWO_HOSTS, link_only()) for n in sizes] == ["ring"] * 3
+    assert [replay.auto_choice(n, TWO_HOSTS, link_only()) for n in sizes] == ["ring"] * 3
     assert result.waited_s == pytest.approx((40e3 + 40e3 + 250e3) * SECONDS_PER_BYTE,
                                             rel=1e-9)
     assert result.step_s == pytest.approx(0.65 + 0.3 + result.waited_s)
 
 
 def test_torch_ddp_uses_gloos_own_all_reduce():
-    p = profile(sync="ddp", buckets=[Bucket(0.4, 300e6)])
+    p = profile(sync="ddp", buckets=[TracedBucket(0.4, 300e6)])
     assert simulate(p, TWO_HOSTS, link_only()).algorithms == ("native",)
-    ours = simulate(profile(buckets=[Bucket(0.4, 300e6)]), TWO_HOSTS, link_only())
+    ours = simulate(profile(buckets=[TracedBucket(0.4, 300e6)]), TWO_HOSTS, link_only())
     assert ours.algorithms == (fastest("all_reduce", 300e6, TWO_HOSTS, link_only()),)
 
 
@@ -182,7 +182,7 @@ def test_command_errors_are_one_line(tmp_path, capsys):
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit:
-            predict.main(argv + ["--constants", str(constants)])
+            replay.main(argv + ["--constants", str(constants)])
         assert exit.value.code == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
@@ -193,7 +193,7 @@ def test_a_strategy_not_modelled_says_so_and_gives_no_number(tmp_path, capsys):
     constants = tmp_path / "c.json"
     constants.write_text(json.dumps({"constants": link_only().as_dict()}))
     rows_file = tmp_path / "rows.jsonl"
-    assert predict.main(["--trace", str(tmp_path), "--constants", str(constants),
+    assert replay.main(["--trace", str(tmp_path), "--constants", str(constants),
                          "--ranks", "8", "--json", str(rows_file)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[-1].split()[:3] == ["ddp-powersgd", "not", "modelled:"], out
@@ -206,7 +206,7 @@ def test_the_command_on_a_hand_made_trace(tmp_path, capsys):
     constants = tmp_path / "c.json"
     constants.write_text(json.dumps({"constants": link_only().as_dict()}))
     rows_file = tmp_path / "rows.jsonl"
-    assert predict.main(["--trace", str(tmp_path), "--constants", str(constants),
+    assert replay.main(["--trace", str(tmp_path), "--constants", str(constants),
                          "--ranks", "2,4", "--ranks-per-host", "1", "--step-time", "0.29",
                          "--json", str(rows_file)]) == 0
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
@@ -232,10 +232,10 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
         capture_output=True, text=True, timeout=240)
     assert bench.returncode == 0, bench.stderr[-3000:]
     # PowerSGD's all-reduces, as traced, are the ones its layout gives for ResNet-18
-    from trainer.loop.models import build_model
+    from trainer.loop.networks import build_model
     traced = profile_from_trace(str(trace_dir))["powersgd"].collectives
     assert [n for what, _, n in traced if what == "all_reduce"] == list(
-        predict.powersgd_bytes(build_model("resnet18", 1, 10, 28), rank=2))
+        replay.powersgd_bytes(build_model("resnet18", 1, 10, 28), rank=2))
     constants = tmp_path / "c.json"
     constants.write_text(json.dumps({"constants": {
         "local": {"alpha": 2e-5, "beta": 2e-10}, "network": {"alpha": 5e-5, "beta": 8.5e-10},
@@ -244,7 +244,7 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
         "transport": "gloo"}}))
     rows_file, picture = tmp_path / "rows.jsonl", tmp_path / "scaling.png"
     result = subprocess.run(
-        [sys.executable, "-m", "trainer.predict", "--trace", str(trace_dir), "--constants",
+        [sys.executable, "-m", "trainer.replay", "--trace", str(trace_dir), "--constants",
          str(constants), "--ranks", "8,64,256", "--ranks-per-host", "8", "--bandwidth",
          "25gbit", "--latency", "10us", "--json", str(rows_file), "--plot", str(picture)],
         capture_output=True, text=True, timeout=60)

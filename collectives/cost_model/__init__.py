@@ -1,13 +1,13 @@
 """A cost model of the collectives: calibrated here, asked about clusters we do not have.
 
-    python -m collectives.model calibrate --out here.json       # under any launcher
-    python -m collectives.model predict --constants here.json --algorithm all \\
+    python -m collectives.cost_model calibrate --out here.json       # under any launcher
+    python -m collectives.cost_model predict --constants here.json --algorithm all \\
         --hosts 128 --ranks-per-host 8 --size 16M --bandwidth 25gbit --latency 10us
 
 The formulas live beside the algorithms (each algorithm file's `cost()`, in the
 constants of collectives/algorithms/costs.py); this package measures the constants
 (calibrate.py: a sweep of collectives.bench and a least-squares fit) and answers
-questions with them (__main__.py). trainer.predict replays a traced training step on
+questions with them (__main__.py). trainer.replay replays a traced training step on
 the same model.
 """
 from __future__ import annotations

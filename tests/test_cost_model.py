@@ -13,8 +13,8 @@ import pytest
 from collectives import algorithms
 from collectives.algorithms import COSTS, auto, fastest
 from collectives.algorithms.costs import Constants, Route, Shape, wire_beta
-from collectives.model import calibrate as calibration
-from collectives.model.units import parse_latency, parse_rate
+from collectives.cost_model import calibrate as calibration
+from collectives.cost_model.units import parse_latency, parse_rate
 from collectives.transport.topology import Topology
 
 # Round numbers, so every case below can be checked with pencil and paper.
@@ -203,7 +203,7 @@ def run(*argv, timeout=240):
 
 def test_calibrate_predict_and_check_end_to_end(tmp_path):
     out = tmp_path / "here.json"
-    done = run("-m", "collectives.model", "calibrate", "--nproc", "2", "--out", str(out),
+    done = run("-m", "collectives.cost_model", "calibrate", "--nproc", "2", "--out", str(out),
                "--sizes", "4K,256K", "--trials", "1", "--seconds-per-row", "0.05")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fit error over 10 points" in done.stdout  # 5 algorithms x 2 sizes, one host
@@ -211,7 +211,7 @@ def test_calibrate_predict_and_check_end_to_end(tmp_path):
     assert len(saved["points"]) == 10 and "local.beta" in saved["measured"]
     assert "network.beta" not in saved["measured"]
 
-    asked = run("-m", "collectives.model", "predict", "--constants", str(out), "--hosts", "3",
+    asked = run("-m", "collectives.cost_model", "predict", "--constants", str(out), "--hosts", "3",
                 "--ranks-per-host", "2", "--size", "16M", "--bandwidth", "50mbit",
                 "--latency", "2ms")
     assert asked.returncode == 0, asked.stderr
@@ -227,14 +227,14 @@ def test_calibrate_predict_and_check_end_to_end(tmp_path):
                 "ring,tree", "--trials", "1", "--seconds-per-row", "0.05", "--no-handshake",
                 "--json", str(rows_file))
     assert bench.returncode == 0, bench.stderr[-3000:]
-    checked = run("-m", "collectives.model", "check", "--constants", str(out), str(rows_file))
+    checked = run("-m", "collectives.cost_model", "check", "--constants", str(out), str(rows_file))
     assert checked.returncode == 0, checked.stderr
     assert "4 points: median |error|" in checked.stdout
 
 
 def predict_error(capsys, *argv) -> str:
-    """The one line `python -m collectives.model predict ...` exits with (status 2)."""
-    from collectives.model.__main__ import main
+    """The one line `python -m collectives.cost_model predict ...` exits with (status 2)."""
+    from collectives.cost_model.__main__ import main
     with pytest.raises(SystemExit) as exited:
         main(["predict", *argv])
     assert exited.value.code == 2
@@ -274,7 +274,7 @@ def test_a_shaped_link_passes_its_bucket_at_once_but_not_more_than_its_rate():
 
 def test_a_cluster_described_on_the_command_line():
     from collectives.cluster import bucket_bytes
-    from collectives.model import on_cluster
+    from collectives.cost_model import on_cluster
     measured = Constants(**{**C.__dict__, "link_rate": 125e6, "burst": 500e3, "cores": 2})
     real = on_cluster(measured, parse_rate("25gbit"), parse_latency("10us"))
     assert (real.burst, real.cores, real.link_rate) == (0.0, 0, 25e9 / 8)
@@ -306,8 +306,8 @@ def test_a_tree_broadcast_shares_the_parents_link_among_its_children():
 
 
 def main_error(capsys, *argv) -> str:
-    """The one line `python -m collectives.model ...` exits with (status 2)."""
-    from collectives.model.__main__ import main
+    """The one line `python -m collectives.cost_model ...` exits with (status 2)."""
+    from collectives.cost_model.__main__ import main
     with pytest.raises(SystemExit) as exited:
         main(list(argv))
     assert exited.value.code == 2

@@ -1,8 +1,8 @@
 """Measure the cost model's constants here: a short sweep, then a least-squares fit.
 
-    python -m collectives.model calibrate --out here.json          # under any launcher
+    python -m collectives.cost_model calibrate --out here.json          # under any launcher
     python -m collectives.cluster --hosts 2 --ranks-per-host 2 --bandwidth 1gbit -- \\
-        python -m collectives.model calibrate --out cluster.json
+        python -m collectives.cost_model calibrate --out cluster.json
 
 The sweep times all-reduces of a few sizes with every algorithm on three sets of ranks,
 so that each route is seen alone as well as mixed:
@@ -212,7 +212,7 @@ def errors(points: List[Point], c: Constants) -> List[float]:
 
 
 def summary(errs: List[float]) -> Dict[str, float]:
-    """Median and 90th percentile of |error| (as collectives.model check reports)."""
+    """Median and 90th percentile of |error| (as collectives.cost_model check reports)."""
     size = np.abs(np.array(errs))
     return {"points": len(errs), "median_abs_error": float(np.median(size)),
             "p90_abs_error": float(np.percentile(size, 90))}
@@ -294,7 +294,7 @@ def rank_main(args) -> None:
     import collectives
     comm = collectives.init(backend=args.backend)
     say = print if comm.rank == 0 else (lambda *a, **k: None)
-    say(f"# collectives.model calibrate: {comm.name}, {comm.world_size} ranks on "
+    say(f"# collectives.cost_model calibrate: {comm.name}, {comm.world_size} ranks on "
         f"{len(comm.topology.hosts)} host(s)", flush=True)
     constants, points, measured = calibrate(comm, args.sizes, args.trials,
                                             args.seconds_per_row, say)

@@ -1,9 +1,9 @@
-"""python -m collectives.model: calibrate the cost model, ask it, check it.
+"""python -m collectives.cost_model: calibrate the cost model, ask it, check it.
 
-    python -m collectives.model calibrate --out here.json [--nproc 4]    # or under a launcher
-    python -m collectives.model predict --constants here.json --algorithm all \\
+    python -m collectives.cost_model calibrate --out here.json [--nproc 4]    # or under a launcher
+    python -m collectives.cost_model predict --constants here.json --algorithm all \\
         --hosts 3 --ranks-per-host 2 --size 16M --bandwidth 50mbit [--latency 2ms]
-    python -m collectives.model check --constants here.json runs/*.jsonl
+    python -m collectives.cost_model check --constants here.json runs/*.jsonl
 
 `predict` prints the seconds per call the model gives (with `--algorithm all`, every
 algorithm's, fastest first). `check` compares the model with rows collectives.bench
@@ -29,7 +29,7 @@ COLLECTIVES = list(COSTS)
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m collectives.model",
+    p = argparse.ArgumentParser(prog="python -m collectives.cost_model",
                                 description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]))

@@ -7,11 +7,12 @@
 
 Each generation gets gloo of its own (a ProcessGroupGloo that meets under the
 generation's prefix in the membership store), then the routes every communicator gets:
-which ranks share a host (world.with_routes). Shared memory between them is off by
-default here: a shared-memory wait learns that a peer is gone from its pid, and a peer
-that has moved on to the next generation is alive, so a survivor blocked on it would
-wait out its whole timeout; over gloo the peer's closed connection ends the wait. The
-old communicator is dropped first, and the new one becomes the default
+which ranks share a host (with_routes in collectives/world.py, where the job's first
+communicator is built). Shared memory between them is off by default here: a
+shared-memory wait learns that a peer is gone from its pid, and a peer that has moved
+on to the next generation is alive, so a survivor blocked on it would wait out its
+whole timeout; over gloo the peer's closed connection ends the wait. The old
+communicator is dropped first, and the new one becomes the default
 (`collectives.get_comm()`).
 
 Only the membership needs the store: a generation that runs talks rank to rank, so a

@@ -2,7 +2,7 @@ r"""Replay a traced training step on a cluster we do not have: the cost model at
 
     python -m trainer.bench --nproc 2 --sync allreduce,bf16,powersgd,local-sgd,ddp \
         --trace run                                     # measure: a few traced steps
-    python -m trainer.predict --trace run --constants here.json \
+    python -m trainer.replay --trace run --constants here.json \
         --ranks 8,64,256,1024 --ranks-per-host 8 --bandwidth 25gbit --latency 10us
 
 A data-parallel step is computation (which does not change with the number of ranks)
@@ -11,7 +11,8 @@ of compute ran and when each gradient bucket became ready. The cost model
 (collectives/algorithms/costs.py, every algorithm's cost()) tells the second for any
 cluster. Put together, one step is simulated per strategy and per rank count.
 
-1. The profile (`profile_from_trace`). Per sync in the trace, per rank, per traced step:
+1. The traced step (`profile_from_trace`: a TracedStep per sync). Per sync in the
+   trace, per rank, per traced step:
 
        forward     the forward span, less the collectives inside it (our DDP's
                    broadcast of rank 0's buffers: kept as `collectives` and priced)
@@ -99,8 +100,8 @@ from typing import Dict, List, Optional, Tuple
 
 from collectives.algorithms import COSTS, fastest
 from collectives.algorithms.costs import Constants, Shape
-from collectives.model import load, on_cluster
-from collectives.model.units import parse_latency, parse_rate
+from collectives.cost_model import load, on_cluster
+from collectives.cost_model.units import parse_latency, parse_rate
 
 US = 1e-6  # trace timestamps are microseconds
 
@@ -108,20 +109,25 @@ US = 1e-6  # trace timestamps are microseconds
 # --- what a step is made of -----------------------------------------------------------
 
 @dataclass
-class Bucket:
+class TracedBucket:
+    """One gradient bucket of a traced step: when it was ready and what it carried. Not
+    the bucketer's Bucket (collectives/bucketer.py), which holds the gradients
+    themselves: this is what the trace saw of one."""
     ready_s: float      # when it became ready, from backward's start
     nbytes: int         # as traced: the float32 gradients it holds
     work_s: float = 0.0  # the strategy's CPU work on it, outside the all-reduce
 
 
 @dataclass
-class StepProfile:
-    """One rank's step, as the trace measured it (seconds, medians over traced steps)."""
+class TracedStep:
+    """One rank's step, as the trace measured it (seconds, medians over traced steps):
+    what the replay re-times on another cluster. Not collectives/bucket_sizes.py's
+    StepProfile, which is a synced step as the bucketer saw it, gradient by gradient."""
     sync: str
     forward_s: float
     backward_s: float
     optimizer_s: float
-    buckets: List[Bucket] = field(default_factory=list)
+    buckets: List[TracedBucket] = field(default_factory=list)
     writeback_s: float = 0.0
     moment_s: float = 0.0           # after_backward + after_step CPU work
     # collectives on the training thread: (collective, algorithm as traced, bytes)
@@ -171,7 +177,7 @@ def _collectives_in(events, span) -> List[dict]:
         and (o["ts"], -o["dur"]) < (e["ts"], -e["dur"]) for o in found)]
 
 
-def _one_step(events, step) -> StepProfile:
+def _one_step(events, step) -> TracedStep:
     """The profile of one traced step (in seconds)."""
     lo, hi, tid = step["ts"], step["ts"] + step["dur"], step["tid"]
     mine = _inside(events, lo, hi)
@@ -208,13 +214,13 @@ def _one_step(events, step) -> StepProfile:
         inner = _collectives_in(events, e)
         ready = e["ts"] - e["args"].get("queued_ms", 0) * 1e3 - bw_start
         work = e["dur"] - sum(c["dur"] for c in inner) if inner else 0.0
-        buckets.append(Bucket(min(max(ready, 0.0), backward_compute) * US,
+        buckets.append(TracedBucket(min(max(ready, 0.0), backward_compute) * US,
                               int(e["args"].get("bytes", 0)), work * US))
         last_end = max(last_end or 0, e["ts"] + e["dur"])
     backward_end = backward["ts"] + backward["dur"]
     from_when = max(backward_end - tail, last_end or 0)
     optimizer = named("optimizer")
-    return StepProfile(
+    return TracedStep(
         sync=step["args"].get("sync", ""), rank=step["pid"], steps=1,
         forward_s=(forward["dur"] - sum(e["dur"] for e in in_forward)) * US,
         backward_s=backward_compute * US, optimizer_s=optimizer[0]["dur"] * US if optimizer else 0,
@@ -223,13 +229,13 @@ def _one_step(events, step) -> StepProfile:
         batch=int(step["args"].get("batch", 0)))
 
 
-def _median(profiles: List[StepProfile]) -> StepProfile:
+def _median(profiles: List[TracedStep]) -> TracedStep:
     """Field by field, the median over steps (bucket by bucket; layout of the first)."""
     counts = [len(p.buckets) for p in profiles]  # a step whose bucket count differs: left out
     profiles = [p for p in profiles if len(p.buckets) == max(set(counts), key=counts.count)]
     first = profiles[0]
     med = lambda get: statistics.median(get(p) for p in profiles)  # noqa: E731
-    buckets = [Bucket(med(lambda p: p.buckets[k].ready_s), b.nbytes,
+    buckets = [TracedBucket(med(lambda p: p.buckets[k].ready_s), b.nbytes,
                       med(lambda p: p.buckets[k].work_s))
                for k, b in enumerate(first.buckets)]
     return replace(first, steps=len(profiles), buckets=buckets,
@@ -239,10 +245,10 @@ def _median(profiles: List[StepProfile]) -> StepProfile:
                    averaging_bytes=max(p.averaging_bytes for p in profiles))
 
 
-def profile_from_trace(path: str) -> Dict[str, StepProfile]:
+def profile_from_trace(path: str) -> Dict[str, TracedStep]:
     """{sync: the slowest rank's median step} from DIR/trace.json (or a trace file)."""
     events = _load_events(path)
-    by_sync: Dict[str, Dict[int, List[StepProfile]]] = {}
+    by_sync: Dict[str, Dict[int, List[TracedStep]]] = {}
     for step in (e for e in events if e["cat"] == "step"):
         mine = [e for e in events if e["pid"] == step["pid"]]
         profile = _one_step(mine, step)
@@ -331,7 +337,7 @@ def _reduce(nbytes: float, algorithm: str, shape: Shape, c: Constants,
     return COSTS["all_reduce"][algorithm](nbytes, shape, c)
 
 
-def simulate(profile: StepProfile, shape: Shape, constants: Constants, scale: float = 1.0,
+def simulate(profile: TracedStep, shape: Shape, constants: Constants, scale: float = 1.0,
              period: int = 8, strategy: Optional[Strategy] = None) -> Result:
     """One step of `profile`'s sync on `shape`, compute divided by `scale`."""
     s = strategy or STRATEGIES[profile.sync]
@@ -371,7 +377,7 @@ def _ranks(text: str) -> List[int]:
     return ranks
 
 
-def rows_for(profiles: Dict[str, StepProfile], syncs: List[str], ranks: List[int],
+def rows_for(profiles: Dict[str, TracedStep], syncs: List[str], ranks: List[int],
              per_host: int, constants: Constants, compute_scale: Optional[float] = None,
              step_time: Optional[float] = None, period: int = 8,
              batch: Optional[int] = None) -> List[dict]:
@@ -439,13 +445,13 @@ def plot(rows: List[dict], path: str, title: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainer.predict",
+    p = argparse.ArgumentParser(prog="python -m trainer.replay",
                                 description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:3]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trace", required=True, metavar="DIR", help="a trainer.bench --trace DIR")
     p.add_argument("--constants", required=True, metavar="FILE.json",
-                   help="the cost model's constants (collectives.model calibrate --out)")
+                   help="the cost model's constants (collectives.cost_model calibrate --out)")
     p.add_argument("--ranks", type=_ranks, default=[8, 64, 256, 1024],
                    help="comma list of rank counts (default 8,64,256,1024)")
     p.add_argument("--ranks-per-host", type=int, default=8, help="default 8")
@@ -505,7 +511,7 @@ def main(argv=None) -> int:
         link += f" (+{args.latency * 1e6:g} us)"
     scaling = (f"compute scaled to {args.step_time:g} s a step" if args.step_time
                else f"compute scale {args.compute_scale or 1.0:g}")
-    print(f"# trainer.predict: {args.trace}, {args.ranks_per_host} ranks per host, {link}, "
+    print(f"# trainer.replay: {args.trace}, {args.ranks_per_host} ranks per host, {link}, "
           f"{scaling}, local SGD period {args.period}")
     if batch == 32 and not args.batch_size:
         print("# the trace does not say the batch: 32 images per rank assumed (--batch-size)")
