@@ -3,7 +3,6 @@ import argparse
 import importlib.util
 import json
 import os
-import subprocess
 import sys
 import time
 
@@ -16,6 +15,7 @@ from checks_peers import (background_when_the_window_closes, bytes_sent_per_step
                           streaming_diloco_with_one_fragment_and_no_delay_is_diloco,
                           every_peer_learns, ours_equal_torch_where_the_math_is_the_same)
 from distributed import run_world
+from launchers import python, run
 from trainer import compare
 from trainer.bench import aligned_warmup
 from trainer.timing import WaitClock
@@ -146,13 +146,10 @@ def test_bench_times_local_sgd_over_whole_periods_with_its_averaging(tmp_path):
     that its one averaging round fell inside the window (ours and torch's); streaming
     DiLoCo's events count its fragments' synchronizations."""
     out = tmp_path / "bench.jsonl"
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync",
-         "local-sgd,ddp-localsgd,diloco:period=4:fragments=2", "--batch-size", "2",
-         "--steps", "2", "--rounds", "1",
-         "--warmup", "1", "--json", str(out)],
-        capture_output=True, text=True, timeout=220)
-    assert result.returncode == 0, result.stderr[-3000:]
+    run(python("-m", "trainer.bench", "--nproc", "2", "--sync",
+               "local-sgd,ddp-localsgd,diloco:period=4:fragments=2", "--batch-size", "2",
+               "--steps", "2", "--rounds", "1", "--warmup", "1", "--json", str(out)),
+        timeout=220)
     rows = {row["sync"]: row for row in map(json.loads, out.read_text().splitlines())}
     resnet18_mb = 11.2e6 * 4 / 1e6  # parameters; 2 ranks: a ring sends one model's bytes
     for name in ("local-sgd", "ddp-localsgd"):

@@ -5,8 +5,6 @@ import json
 import math
 import os
 import random
-import subprocess
-import sys
 
 import pytest
 
@@ -16,6 +14,7 @@ from collectives.algorithms.costs import Constants, Route, Shape, wire_beta
 from collectives.cost_model import calibrate as calibration
 from collectives.cost_model.units import parse_latency, parse_rate
 from collectives.transport.topology import Topology
+from launchers import python, run
 
 # Round numbers, so every case below can be checked with pencil and paper.
 C = Constants(local=Route(1e-3, 1e-9), network=Route(1e-2, 1e-8), gamma=1e-10,
@@ -195,26 +194,19 @@ def test_the_shipped_constants_load_and_answer():
 
 # ---- the command line, end to end --------------------------------------------------------
 
-def run(*argv, timeout=240):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.run([sys.executable, *argv], capture_output=True, text=True,
-                          timeout=timeout, env=env)
-
-
 def test_calibrate_predict_and_check_end_to_end(tmp_path):
     out = tmp_path / "here.json"
-    done = run("-m", "collectives.cost_model", "calibrate", "--nproc", "2", "--out", str(out),
-               "--sizes", "4K,256K", "--trials", "1", "--seconds-per-row", "0.05")
-    assert done.returncode == 0, done.stderr[-3000:]
+    done = run(python("-m", "collectives.cost_model", "calibrate", "--nproc", "2", "--out",
+                      str(out), "--sizes", "4K,256K", "--trials", "1",
+                      "--seconds-per-row", "0.05"))
     assert "fit error over 10 points" in done.stdout  # 5 algorithms x 2 sizes, one host
     saved = json.loads(out.read_text())
     assert len(saved["points"]) == 10 and "local.beta" in saved["measured"]
     assert "network.beta" not in saved["measured"]
 
-    asked = run("-m", "collectives.cost_model", "predict", "--constants", str(out), "--hosts", "3",
-                "--ranks-per-host", "2", "--size", "16M", "--bandwidth", "50mbit",
-                "--latency", "2ms")
-    assert asked.returncode == 0, asked.stderr
+    asked = run(python("-m", "collectives.cost_model", "predict", "--constants", str(out),
+                       "--hosts", "3", "--ranks-per-host", "2", "--size", "16M",
+                       "--bandwidth", "50mbit", "--latency", "2ms"))
     rows = [line.split() for line in asked.stdout.splitlines() if not line.startswith("#")][1:]
     assert sorted(r[0] for r in rows) == sorted(COSTS["all_reduce"])
     seconds = [float(r[1]) for r in rows]
@@ -223,12 +215,11 @@ def test_calibrate_predict_and_check_end_to_end(tmp_path):
     assert seconds[0] > 2 * (5 / 6) * (16 << 20) / (50e6 / 8) / 2
 
     rows_file = tmp_path / "bench.jsonl"
-    bench = run("-m", "collectives.bench", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
-                "ring,tree", "--trials", "1", "--seconds-per-row", "0.05", "--no-handshake",
-                "--json", str(rows_file))
-    assert bench.returncode == 0, bench.stderr[-3000:]
-    checked = run("-m", "collectives.cost_model", "check", "--constants", str(out), str(rows_file))
-    assert checked.returncode == 0, checked.stderr
+    run(python("-m", "collectives.bench", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
+               "ring,tree", "--trials", "1", "--seconds-per-row", "0.05", "--no-handshake",
+               "--json", str(rows_file)))
+    checked = run(python("-m", "collectives.cost_model", "check", "--constants", str(out),
+                         str(rows_file)))
     assert "4 points: median |error|" in checked.stdout
 
 

@@ -3,19 +3,13 @@ torch's constructor arguments, Horovod's API with Horovod's semantics, and ranks
 use different parameters (gloo on 2 and 3 spawned ranks; mpi under mpirun)."""
 import ast
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import checks_faces as checks
-from collectives.launch.mpirun import find_mpirun
-from collectives.launch.spawn import free_port
 from distributed import run_world, run_world_collecting_errors
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
+from launchers import ROOT, TESTS, mpirun, python, run, torchrun
 
 
 def same_everywhere(results):
@@ -66,11 +60,7 @@ def test_horovod_a_rank_that_ends_is_noticed_within_seconds_under_torchrun():
     """The last rank's process ends while the other waits in an allreduce, which raises
     HorovodInternalError within seconds though the job's timeout is 120 s (it used to
     wait out the whole timeout). Under mpirun: test_both_faces_on_the_mpi_backend."""
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-                          "2", "--master-port", str(free_port()), "checks_faces.py",
-                          "peer-exit"], cwd=HERE, capture_output=True, text=True, timeout=100,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = run(torchrun(2, "checks_faces.py", "peer-exit"), cwd=TESTS, timeout=100)
     noticed = _seconds_to_notice_an_exit(out.stdout)
     assert len(noticed) == 1 and noticed[0] < 20, out.stdout + out.stderr
 
@@ -81,10 +71,7 @@ def test_both_faces_on_the_mpi_backend():
     gloo, bit for bit. Then the last rank ends, and the others, waiting in an
     allreduce, raise within seconds (the timeout is 120 s)."""
     on_gloo = same_everywhere(run_world(checks.ddp_join_digest, 3, timeout=100))
-    out = subprocess.run([find_mpirun()[0], "-np", "3", sys.executable, "checks_faces.py"],
-                         cwd=HERE, capture_output=True, text=True, timeout=220,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stdout + out.stderr
+    out = run(mpirun(3, *python("checks_faces.py")), cwd=TESTS, timeout=220)
     lines = [line.split("results ")[1] for line in out.stdout.splitlines() if "results" in line]
     assert len(lines) == 3 and len(set(lines)) == 1, out.stdout
     assert ast.literal_eval(lines[0])[-1] == on_gloo, (lines[0], on_gloo)
@@ -128,13 +115,8 @@ def test_torch_ddp_script_with_one_import_changed(tmp_path):
     saved = {}
     for face in ("torch", "collectives"):
         path = tmp_path / f"{face}.pt"
-        out = subprocess.run([sys.executable, "-m", "torch.distributed.run",
-                              "--nproc-per-node", "2", "--master-port", str(free_port()),
-                              os.path.join(ROOT, "examples", "torch_ddp_script.py"),
-                              "--face", face, "--save", str(path)],
-                             capture_output=True, text=True, timeout=240,
-                             env=dict(os.environ, OMP_NUM_THREADS="1"))
-        assert out.returncode == 0, out.stdout + out.stderr
+        run(torchrun(2, os.path.join(ROOT, "examples", "torch_ddp_script.py"),
+                     "--face", face, "--save", str(path)), timeout=240)
         saved[face] = torch.load(path)
     for name, expected in saved["torch"].items():
         torch.testing.assert_close(saved["collectives"][name], expected, rtol=1e-6, atol=1e-7,

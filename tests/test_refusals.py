@@ -10,13 +10,11 @@ with one line, and an all-reduce right after is correct. A list only the root ho
 (gather's outputs, scatter's inputs) is refused there, and the group stays in step;
 splits only one rank holds, refused there, stop that rank's group.
 """
-import subprocess
-import sys
-
 import pytest
 
 import checks_refusals as checks
 from distributed import run_world
+from launchers import python, run
 
 
 @pytest.mark.timeout(90)
@@ -180,14 +178,14 @@ def test_all_gather_list_form_refuses_other_dtypes_and_shapes(sweep):
 
 
 @pytest.mark.parametrize("command", [
-    [sys.executable, "-m", "collectives.cost_model", "predict", "--constants", "unused.json",
-     "--hosts", "2", "--size", "16M", "--bandwidth", "0gbit"],
-    [sys.executable, "-m", "trainer.replay", "--trace", "unused", "--constants",
-     "unused.json", "--bandwidth", "0gbit"],
+    python("-m", "collectives.cost_model", "predict", "--constants", "unused.json",
+           "--hosts", "2", "--size", "16M", "--bandwidth", "0gbit"),
+    python("-m", "trainer.replay", "--trace", "unused", "--constants", "unused.json",
+           "--bandwidth", "0gbit"),
 ])
 def test_a_zero_bandwidth_is_refused_in_one_line(command):
     """0gbit used to be read as "the measured link"."""
-    out = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    out = run(command, timeout=120, check=False)
     assert out.returncode == 2, out.stdout + out.stderr
     assert "a link's rate must be more than 0" in out.stderr.splitlines()[-1], out.stderr
 

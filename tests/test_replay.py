@@ -1,13 +1,12 @@
 """trainer.replay: the step simulator against hand computations, the trace reader on a
 hand-made trace, the command's errors, and one end-to-end run on a real tiny trace."""
 import json
-import subprocess
-import sys
 
 import pytest
 
 from collectives.algorithms import fastest
 from collectives.algorithms.costs import WIRE_EFFICIENCY, Constants, Route, Shape
+from launchers import python, run
 from trainer import replay
 from trainer.replay import TracedBucket, TracedStep, profile_from_trace, simulate
 
@@ -225,12 +224,9 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
     # gloo's "Received data size doesn't match expected size", a collective order
     # mismatch between the ranks; untraced, or alone, it passed. Cause not found.)
     syncs = "allreduce,powersgd,local-sgd,ddp"  # (bf16's are checked on hand-made traces)
-    bench = subprocess.run(
-        [sys.executable, "-m", "trainer.bench", "--nproc", "2", "--sync", syncs,
-         "--batch-size", "2", "--steps", "1", "--rounds", "1", "--warmup", "1",
-         "--trace-steps", "1", "--trace", str(trace_dir)],
-        capture_output=True, text=True, timeout=240)
-    assert bench.returncode == 0, bench.stderr[-3000:]
+    run(python("-m", "trainer.bench", "--nproc", "2", "--sync", syncs, "--batch-size", "2",
+               "--steps", "1", "--rounds", "1", "--warmup", "1", "--trace-steps", "1",
+               "--trace", str(trace_dir)), timeout=240)
     # PowerSGD's all-reduces, as traced, are the ones its layout gives for ResNet-18
     from trainer.loop.networks import build_model
     traced = profile_from_trace(str(trace_dir))["powersgd"].collectives
@@ -243,12 +239,10 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
         "native": {"alpha": 3e-5, "beta": 3e-10}, "link_rate": 1.25e9,
         "transport": "gloo"}}))
     rows_file, picture = tmp_path / "rows.jsonl", tmp_path / "scaling.png"
-    result = subprocess.run(
-        [sys.executable, "-m", "trainer.replay", "--trace", str(trace_dir), "--constants",
-         str(constants), "--ranks", "8,64,256", "--ranks-per-host", "8", "--bandwidth",
-         "25gbit", "--latency", "10us", "--json", str(rows_file), "--plot", str(picture)],
-        capture_output=True, text=True, timeout=60)
-    assert result.returncode == 0, result.stderr[-3000:]
+    result = run(python("-m", "trainer.replay", "--trace", str(trace_dir), "--constants",
+                        str(constants), "--ranks", "8,64,256", "--ranks-per-host", "8",
+                        "--bandwidth", "25gbit", "--latency", "10us", "--json", str(rows_file),
+                        "--plot", str(picture)), timeout=60)
     lines = result.stdout.splitlines()
     for sync in syncs.split(","):
         for ranks in (8, 64, 256):

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from distributed import run_world
+from launchers import run
 
 
 def size_mismatch(comm):
@@ -201,10 +202,9 @@ def test_a_small_dev_shm_falls_back_to_the_backend_with_one_warning():
     tests = os.path.dirname(os.path.abspath(__file__))
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [os.path.dirname(tests), tests, os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run(
-        _private_dev_shm_command(f"exec {sys.executable} -c "
-                                 "'import test_shm; test_shm.all_reduce_in_small_dev_shms()'"),
-        capture_output=True, text=True, env=environ, timeout=200)
+    done = run(_private_dev_shm_command(
+        f"exec {sys.executable} -c 'import test_shm; test_shm.all_reduce_in_small_dev_shms()'"),
+        env=environ, timeout=200, check=False)
     outcomes = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert done.returncode == 0 and len(outcomes) == 2, done.stdout + done.stderr
     warnings = [[line for line in part.splitlines() if line.startswith("collectives: warning: shared memory off")]

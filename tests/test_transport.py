@@ -1,7 +1,5 @@
 """The transport on gloo (spawned ranks) and in a world of one."""
 import os
-import subprocess
-import sys
 from datetime import timedelta
 
 import pytest
@@ -12,6 +10,7 @@ from collectives.transport.group import Group
 from collectives.transport.local import LocalTransport
 from checks_transport import check_transport
 from distributed import run_world
+from launchers import python, run
 
 LAUNCH_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "PMI_RANK", "PMI_SIZE", "SLURM_PROCID",
                     "SLURM_NTASKS", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK",
@@ -72,8 +71,8 @@ print("ok")
 def test_world_of_one_needs_no_launcher(backend):
     # A fresh process, as a user's script: no launcher variables at all.
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
-    result = subprocess.run([sys.executable, "-c", WORLD_OF_ONE.format(backend=backend)],
-                            env=env, capture_output=True, text=True, timeout=100)
+    result = run(python("-c", WORLD_OF_ONE.format(backend=backend)), env=env, timeout=100,
+                 check=False)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 

@@ -205,7 +205,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters=None
     Returns the same optimizer object (so LR schedulers, isinstance checks,
     param_groups and state_dict() work as before) with step() and zero_grad() wrapped
     and synchronize() / skip_synchronize() added; what they share is a
-    DistributedGradients, kept as `optimizer._distributed`.
+    DistributedGradients, kept as `optimizer._distributed`. Wrapping the same optimizer
+    again (after hvd.shutdown() and hvd.init(), say) replaces the first wrapping.
     """
     names = _parameter_names(optimizer, named_parameters)  # before init is needed
     if op == Adasum:
@@ -260,8 +261,12 @@ class DistributedGradients:
     def __init__(self, optimizer: torch.optim.Optimizer, names: dict, where: Optional[Scope],
                  process_set, *, compression, op: str, gradient_predivide_factor: float,
                  algorithm: str):
-        self.local_step = optimizer.step        # the optimizer's own methods, from before
-        self.local_zero_grad = optimizer.zero_grad
+        previous = getattr(optimizer, "_distributed", None)
+        if isinstance(previous, DistributedGradients):  # wrapped again: this one replaces it
+            self.local_step, self.local_zero_grad = previous.local_step, previous.local_zero_grad
+            previous.close()
+        else:  # the optimizer's own methods, from before
+            self.local_step, self.local_zero_grad = optimizer.step, optimizer.zero_grad
         self.params = [p for group in optimizer.param_groups for p in group["params"]]
         self.names = names                      # parameter -> its name (Horovod's rules)
         self.where, self.process_set = where, process_set  # None: outside the set
@@ -286,6 +291,13 @@ class DistributedGradients:
         # keeps for that bucket: the buffer object finds the bucket's name.
         self.bucket_names = {id(bucket.buffer): f"bucket{bucket.index}."
                              f"{ids[id(bucket.params[0])]}" for bucket in self.bucketer.buckets}
+
+    def close(self) -> None:
+        """Take the bucketer's hooks off the parameters and end its thread (after the
+        buckets already handed to it)."""
+        if self.bucketer is not None:
+            self.bucketer.close()
+            self.bucketer = None
 
     # --- during backward, on the Bucketer's communication thread ----------------------
     def reduce_bucket(self, flat: torch.Tensor) -> None:
