@@ -22,8 +22,9 @@ whose wait() took that count. A channel's data needs no other fence.
 
 Why ctypes: Python's standard library has no call for sem_init on an address of ours
 (multiprocessing's semaphores are named and made by it). ctypes calls the C library
-directly, converting its arguments on every call; docs/data/shm_semaphores/ measures
-that against posix_ipc, a C extension for named semaphores.
+directly, converting its arguments on every call. Against posix_ipc, a C extension for
+named semaphores: docs/benchmarks.md, "Shared memory: our ctypes semaphores against
+posix_ipc".
 
 Every function takes a semaphore by its address: a byte inside a mapped segment.
 """
