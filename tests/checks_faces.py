@@ -434,6 +434,38 @@ def check_horovod_too_many_backward_passes(comm):
     return message
 
 
+def check_horovod_wrapping_again_replaces_the_first(comm):
+    """DistributedOptimizer over the same optimizer again, after hvd.shutdown() and
+    hvd.init(): the first wrapping's hooks are gone (one per parameter), the step
+    averages once, and an LR scheduler made after the wrapping works."""
+    hvd.init()
+    model = nn.Linear(4, 2).double()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = hvd.DistributedOptimizer(sgd, named_parameters=model.named_parameters())
+    x = torch.full((3, 4), float(comm.rank + 1), dtype=torch.float64)
+    model(x).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    hvd.shutdown()
+    hvd.init()
+    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    assert optimizer is sgd
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    hooks = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    assert hooks == [1, 1], f"hooks per parameter: {hooks}"
+    before = [p.detach().clone() for p in model.parameters()]
+    model(x).sum().backward()
+    optimizer.step()
+    scheduler.step()
+    # d(sum)/dW = the batch's column sums, 3 (rank + 1), averaged: 4.5; d(sum)/db = 3
+    mean_x = 3 * sum(r + 1 for r in range(comm.world_size)) / comm.world_size
+    assert torch.equal(model.weight.detach(), before[0] - 0.5 * mean_x)
+    assert torch.equal(model.bias.detach(), before[1] - 0.5 * 3.0)
+    assert optimizer.param_groups[0]["lr"] == 0.25
+    hvd.shutdown()
+    return "ok"
+
+
 def check_horovod_join_training(comm):
     """Uneven inputs with DistributedOptimizer: rank r trains 2 + r steps, then joins.
     While it waits in join() its zeros stand in for its gradients, so each step's

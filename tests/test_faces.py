@@ -137,6 +137,12 @@ def test_horovod_more_backward_passes_than_per_step_fail_clearly():
         assert "more backward passes" in message, message
 
 
+@pytest.mark.timeout(120)
+def test_horovod_wrapping_an_optimizer_again_replaces_the_first_wrapping():
+    assert run_world(checks.check_horovod_wrapping_again_replaces_the_first, 2,
+                     timeout=100) == ["ok", "ok"]
+
+
 # --- negotiation by name, on its own (one process: the table every rank keeps) ------------
 def _meta(shape=(3,), kind="allreduce", op="sum"):
     from collectives.horovod.negotiation import Meta
