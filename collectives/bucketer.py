@@ -242,8 +242,9 @@ class BucketOptions:
     def check(self) -> None:
         if self.unused not in UNUSED_MODES:
             raise ValueError(f"unused={self.unused!r}: choose from {', '.join(UNUSED_MODES)}")
-        if self.priority_chunk_bytes and (self.unused == "detect" or self.gradient_as_bucket_view
-                                          or self.sparse_reduce is not None):
+        if self.priority_chunk_bytes and (self.unused == "detect"
+                                          or self.sparse_reduce is not None
+                                          or self.gradient_as_bucket_view):
             raise ValueError("buckets reduced by priority (overlap=\"forward\") are still "
                              "being reduced after backward, in no other job of the step: "
                              "find_unused_parameters (static_graph), a sparse reduction "
@@ -262,14 +263,9 @@ class Bucketer:
         trainable = [p for p in reversed(list(params)) if p.requires_grad]
         self.comm = comm
         self.reduce_bucket = reduce_bucket
-        self.options = options
-        self.gradient_as_bucket_view = options.gradient_as_bucket_view
-        self.unused = options.unused
-        self.sparse_as_dense = options.sparse_as_dense
-        self.sparse_reduce = options.sparse_reduce
+        self.options = options  # what the face asked for (BucketOptions)
         self._sparse: Dict[int, int] = {}  # id(param) -> sparse_dim of its gradient
         self._sparse_reduced: Dict[int, Callable[[], torch.Tensor]] = {}  # id -> wait
-        self.finish_after_backward = options.finish_after_backward
         # What every gradient is divided by as it goes in its bucket (None: nothing),
         # asked at the first gradient of each step (SyncStrategy.gradient_divisor)
         self.divisor = divisor
@@ -281,9 +277,6 @@ class Bucketer:
             _make_grads_views(self.buckets)
         self.enabled = True  # False inside no_sync(): gradients just accumulate
         self.grad_scale = 1.0  # reduced gradients are multiplied by this: scale_reduced()
-        # Horovod's backward_passes_per_step: a gradient goes in its bucket on its k-th
-        # arrival of a step (fewer: at finish(), with what it accumulated).
-        self.passes_per_sync = options.passes_per_sync
         self._arrivals = {id(p): 0 for b in self.buckets for p in b.params}
         self.worker = CommWorker(comm.device)
         # Reduced by priority, in chunks (priority.py): finish() then hands the step over
@@ -314,18 +307,19 @@ class Bucketer:
         if not self.enabled:
             return
         self._arrivals[id(param)] += 1
-        if self._arrivals[id(param)] < self.passes_per_sync:
+        if self._arrivals[id(param)] < self.options.passes_per_sync:
             return  # accumulate locally this pass
         if bucket.ready[position]:
             raise RuntimeError(
                 f"parameter {self._name(param)} got its gradient more often than "
-                f"{self.passes_per_sync} time(s) before its reduction (reused in the graph, "
-                "or more backward passes than that before step()?); this is not supported")
+                f"{self.options.passes_per_sync} time(s) before its reduction (reused in the "
+                "graph, or more backward passes than that before step()?); this is not "
+                "supported")
         if not self._step_started:
             self._step_started = True
-            if self.finish_after_backward:  # run finish() once this backward pass ends
+            if self.options.finish_after_backward:  # run finish() once this backward pass ends
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        self._fill_slot(bucket, position, view=self.gradient_as_bucket_view)
+        self._fill_slot(bucket, position, view=self.options.gradient_as_bucket_view)
         bucket.ready[position] = True
         self._ready_ns[id(param)] = time.perf_counter_ns()
         self._launch_ready_buckets()
@@ -340,11 +334,11 @@ class Bucketer:
         if grad is None:
             slot.zero_()
         elif grad.is_sparse:
-            if not self.sparse_as_dense and self.sparse_reduce is not None:
+            if not self.options.sparse_as_dense and self.options.sparse_reduce is not None:
                 slot.zero_()
-                self._sparse_reduced[id(param)] = self.sparse_reduce(param, grad)
+                self._sparse_reduced[id(param)] = self.options.sparse_reduce(param, grad)
                 return
-            if not self.sparse_as_dense:
+            if not self.options.sparse_as_dense:
                 raise RuntimeError(f"parameter {self._name(param)} has a sparse gradient: "
                                    "pass sparse_as_dense=True to reduce it as a dense one")
             self._sparse[id(param)] = grad.sparse_dim()
@@ -419,7 +413,7 @@ class Bucketer:
             return
         missing = [p for b in self.buckets for p, ready in zip(b.params, b.ready) if not ready]
         used_map = None
-        if self.unused == "detect":  # what this rank used since the last reduction
+        if self.options.unused == "detect":  # what this rank used since the last reduction
             used_map = torch.tensor([u for b in self.buckets for u in b.used],
                                     dtype=torch.int32)
         if missing:  # the peers wait for these buckets: send what we hold, zeros if nothing
@@ -431,7 +425,7 @@ class Bucketer:
             self._launch_ready_buckets()
         if used_map is not None:
             self._launch_used_map(used_map)
-        if self.priority is not None and not (missing and self.unused == "error"):
+        if self.priority is not None and not (missing and self.options.unused == "error"):
             self.handed_off = True  # the step goes on in take() and complete()
             return
         self._complete(missing, used_map)
@@ -468,7 +462,7 @@ class Bucketer:
         # kept as they are (a swap, no work on every step); profile() reads them
         self._last_step, self._ready_ns = (
             (self._ready_ns, list(self._reduce_seconds), list(self._reduce_cpu)), {})
-        if missing and self.unused == "error":
+        if missing and self.options.unused == "error":
             names = ", ".join(self._name(p) for p in missing[:5])
             raise RuntimeError(
                 f"{len(missing)} parameter(s) got no gradient in this backward pass "
@@ -491,7 +485,7 @@ class Bucketer:
                 if id(param) in self._sparse:
                     param.grad = slot.to_sparse(self._sparse[id(param)])  # as it came
                 elif param.grad is None:
-                    param.grad = slot if self.gradient_as_bucket_view else slot.clone()
+                    param.grad = slot if self.options.gradient_as_bucket_view else slot.clone()
                 elif param.grad.data_ptr() != slot.data_ptr():
                     param.grad.copy_(slot)
 
@@ -530,7 +524,7 @@ class Bucketer:
             bucket.buffer.zero_()
             bucket.ready = [True] * len(bucket.params)
         self._launch_ready_buckets()
-        if self.unused == "detect":
+        if self.options.unused == "detect":
             self._launch_used_map(torch.zeros(sum(len(b.params) for b in self.buckets),
                                               dtype=torch.int32))
         self._wait_for_all()
