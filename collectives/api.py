@@ -24,6 +24,7 @@ the call's number and the rank that was being waited for.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import zlib
@@ -213,6 +214,34 @@ def _traced(call: Call, size: int):
     return trace.span(f"{call.collective} {call.runs}", cat="comm", bytes=size)
 
 
+@contextlib.contextmanager
+def _on_host(comm: Transport, flat: torch.Tensor, copy_in: bool = True,
+             copy_out: bool = True, own_slot: Optional[slice] = None):
+    """Yield the buffer a collective on `flat` runs on: `flat` itself, or, where the
+    transport moves host memory only (gloo, MPI, shared memory) and `flat` is on a GPU,
+    one copy of it in pinned host memory, copied back once the call succeeded. One copy
+    each way for the whole call, as gloo does for DDP, rather than one per message
+    (a ring's every step, each waiting for the GPU); the reductions then run on the
+    host's cores. Both copies end before the call returns. `own_slot`: only that part
+    is copied in (an all-gather's own piece)."""
+    if flat.device.type == "cpu" or comm.staging_device(flat) != torch.device("cpu"):
+        yield flat
+        return
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=flat.is_cuda)
+    if own_slot is not None:
+        host[own_slot].copy_(flat[own_slot])
+    elif copy_in:
+        host.copy_(flat)
+    try:
+        yield host
+    except BaseException:
+        # a receive may still be writing into it: never handed to another call
+        comm.abandoned_buffers.append(host)
+        raise
+    if copy_out:
+        flat.copy_(host)
+
+
 def _run_reduction(comm: Transport, function, flat: torch.Tensor, op: str, *args) -> None:
     """Run an algorithm for sum/max/min/...; avg is a sum arranged so that it cannot
     overflow where the average fits (algorithms/average.py)."""
@@ -289,7 +318,8 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum", algorithm: str = "auto",
     call = _call(comm, "all_reduce", algorithm, chosen, tensor, op, check=check)
     with comm.checked_call(call), _traced(call, nbytes(tensor)):
         if tensor.numel():
-            _run_reduction(comm, algorithms.ALL_REDUCE[chosen], tensor.view(-1), op)
+            with _on_host(comm, tensor.view(-1)) as flat:
+                _run_reduction(comm, algorithms.ALL_REDUCE[chosen], flat, op)
     return tensor
 
 
@@ -306,7 +336,9 @@ def broadcast(tensor: torch.Tensor, src: int = 0, algorithm: str = "auto",
     call = _call(comm, "broadcast", algorithm, chosen, tensor, root=src, check=check)
     with comm.checked_call(call), _traced(call, nbytes(tensor)):
         if tensor.numel():
-            algorithms.BROADCAST[chosen](comm, tensor.view(-1), src)
+            with _on_host(comm, tensor.view(-1), copy_in=comm.rank == src,
+                          copy_out=comm.rank != src) as flat:
+                algorithms.BROADCAST[chosen](comm, flat, src)
     return tensor
 
 
@@ -328,7 +360,8 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, op: str = "sum",
         call = _call(comm, "reduce_scatter", algorithm, chosen, input, op, check=check)
         with comm.checked_call(call), _traced(call, nbytes(input)):
             if input.numel():
-                _run_reduction(comm, algorithms.REDUCE_SCATTER[chosen], input.view(-1), op)
+                with _on_host(comm, input.view(-1)) as flat:
+                    _run_reduction(comm, algorithms.REDUCE_SCATTER[chosen], flat, op)
     mine = input.view(-1)[comm.rank * output.numel():(comm.rank + 1) * output.numel()]
     output.view(-1).copy_(mine)
     return output
@@ -369,7 +402,9 @@ def all_gather(output: Union[torch.Tensor, List[torch.Tensor]], input: torch.Ten
         call = _call(comm, "all_gather", algorithm, chosen, input, check=check)
         with comm.checked_call(call), _traced(call, nbytes(input)):
             if count:
-                algorithms.ALL_GATHER[chosen](comm, flat)
+                with _on_host(comm, flat, own_slot=slice(comm.rank * count,
+                                                         (comm.rank + 1) * count)) as staged:
+                    algorithms.ALL_GATHER[chosen](comm, staged)
     if isinstance(output, (list, tuple)):
         for slot, tensor in enumerate(output):  # (copy_ writes strided outputs too)
             tensor.copy_(flat[slot * count:(slot + 1) * count].view(input.shape))

@@ -66,6 +66,7 @@ order. What happens next is the `unused` mode:
 """
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -129,6 +130,11 @@ def assign_buckets(params: Sequence[torch.nn.Parameter], bucket_cap_mb: float,
 class CommWorker:
     """A thread that runs communication jobs one at a time, in submission order.
 
+    On a GPU the jobs run on a CUDA stream of their own, as torch's DDP runs its
+    communication: a job waits only for the GPU work its submitter had queued when it
+    submitted it (a bucket's gradients copied in), not for the backward work queued
+    after (the next layers' gradients), and a job is done when its GPU work is.
+
     Each worker is stopped (and joined, briefly) before the process closes the
     communicators at exit: see launch/exit.py.
     """
@@ -151,34 +157,63 @@ class CommWorker:
         stop_at_exit(self)
 
     def _run(self) -> None:
+        stream = None
         if self.gpu is not None:  # a new thread starts on GPU 0: take the creator's
-            torch.cuda.set_device(self.gpu)
-        while True:
-            job, done, name, args, ready_ns = self.jobs.get()
-            if job is None:
-                return
-            started = time.perf_counter()
             try:
-                if self.error is None:
-                    if ready_ns is None:  # not tracing
-                        job()
-                    else:  # the span says how long the job waited in the queue too
-                        queued_ms = (time.perf_counter_ns() - ready_ns) / 1e6
-                        with trace.span(name, cat="comm", queued_ms=queued_ms, **args):
-                            job()
-            except BaseException as error:  # re-raised on the training thread
+                torch.cuda.set_device(self.gpu)
+                stream = torch.cuda.Stream(self.gpu)
+            except BaseException as error:  # every job then ends at once with it
                 self.error = error
-            finally:
-                self.busy_seconds += time.perf_counter() - started
-                done.set()
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            while True:
+                job, done, name, args, ready_ns, ready = self.jobs.get()
+                if job is None:
+                    return
+                started = time.perf_counter()
+                try:
+                    if self.error is None:
+                        if ready is not None and stream is not None:
+                            stream.wait_event(ready)
+                        if ready_ns is None:  # not tracing
+                            job()
+                        else:  # the span says how long the job waited in the queue too
+                            queued_ms = (time.perf_counter_ns() - ready_ns) / 1e6
+                            with trace.span(name, cat="comm", queued_ms=queued_ms, **args):
+                                job()
+                except BaseException as error:  # re-raised on the training thread
+                    self.error = error
+                finally:
+                    self._settle(stream)
+                    self.busy_seconds += time.perf_counter() - started
+                    done.set()
+
+    def _settle(self, stream) -> None:
+        """Wait for the GPU work the job queued (failed or not): done means its tensors
+        are written and free to reuse."""
+        if stream is None:
+            return
+        try:
+            stream.synchronize()
+        except BaseException as error:
+            self.error = self.error or error
+
+    def mark_ready(self) -> Optional["torch.cuda.Event"]:
+        """On a GPU, an event on the calling thread's stream after the work it has
+        queued so far: what a job (or a later part of one) must wait for."""
+        if self.gpu is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.gpu))
+        return event
 
     def submit(self, job: Callable[[], None], name: str = "communication", span: bool = True,
                **trace_args) -> threading.Event:
         """Queue `job`; `name` and `trace_args` label its span when tracing (none with
-        span=False: a job that draws its own, as the buckets by priority do)."""
+        span=False: a job that draws its own, as the buckets by priority do). On a GPU
+        the job's work waits for the GPU work queued before this call."""
         done = threading.Event()
         ready_ns = time.perf_counter_ns() if span and trace.active() else None
-        self.jobs.put((job, done, name, trace_args, ready_ns))
+        self.jobs.put((job, done, name, trace_args, ready_ns, self.mark_ready()))
         return done
 
     def drain(self) -> None:
@@ -197,7 +232,7 @@ class CommWorker:
         what will not come (the training thread's launches, at exit) is told by on_stop."""
         if self.on_stop is not None:
             self.on_stop()
-        self.jobs.put((None, None, None, None, None))
+        self.jobs.put((None, None, None, None, None, None))
 
     def join(self, seconds: float) -> None:
         self.thread.join(seconds)
@@ -384,7 +419,7 @@ class Bucketer:
             if launched == 0:  # the step's first launch
                 self._pending.append(self.worker.submit(self._reduce_by_priority,
                                                         "buckets by priority", span=False))
-            self.priority.launched(self._next_to_launch)
+            self.priority.launched(self._next_to_launch, ready=self.worker.mark_ready())
 
     def _reduce_by_priority(self) -> None:
         self.priority.run_step()

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, List, Optional
+from typing import Any, Callable, List, Optional
 
 import torch
 
@@ -96,14 +96,18 @@ class PriorityReducer:
         """Nothing launched or reduced: a new step (before its first launch)."""
         with self.changed:
             self.launched_here = 0
+            self.ready: List[Optional[Any]] = [None] * len(self.buffers)  # CUDA events
             self.reduced_from = [b.numel() for b in self.buffers]  # nothing reduced yet
             self.before_done = self.before is None
             self.failed: Optional[BaseException] = None
             self.closed = False
 
-    def launched(self, count: int) -> None:
-        """This rank has launched its first `count` buckets."""
+    def launched(self, count: int, ready=None) -> None:
+        """This rank has launched its first `count` buckets; on a GPU, `ready` (a CUDA
+        event) marks where their gradients are in its buffers."""
         with self.changed:
+            for bucket in range(self.launched_here, count):
+                self.ready[bucket] = ready
             self.launched_here = count
             self.changed.notify_all()
 
@@ -137,6 +141,8 @@ class PriorityReducer:
         try:
             if self.before is not None:
                 self.before()
+                if torch.cuda.is_initialized():  # before_done promises its copies landed
+                    torch.cuda.current_stream().synchronize()
                 with self.changed:
                     self.before_done = True
                     self.changed.notify_all()
@@ -186,7 +192,11 @@ class PriorityReducer:
         started, cpu = time.perf_counter(), time.thread_time()
         with trace.span(f"bucket {bucket} [{start}:{end}]", cat="comm",
                         bytes=chunk.numel() * chunk.element_size()):
+            if self.ready[bucket] is not None:  # this thread's stream waits for them
+                torch.cuda.current_stream(chunk.device).wait_event(self.ready[bucket])
             self.reduce_chunk(chunk)
+            if chunk.is_cuda:  # reduced_from promises the bytes are in place
+                torch.cuda.current_stream(chunk.device).synchronize()
         self.seconds[bucket] += time.perf_counter() - started
         self.cpu[bucket] += time.thread_time() - cpu
         with self.changed:

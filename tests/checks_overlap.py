@@ -39,12 +39,12 @@ OPTIMIZERS = {
 }
 
 
-def train(comm, overlap, algorithm, optimizer, dtype, steps, reduce=None):
+def train(comm, overlap, algorithm, optimizer, dtype, steps, reduce=None, device="cpu"):
     """`steps` steps with a cosine schedule (its learning rate changes every step);
     returns the losses, the parameters as each forward after the first saw them, the
     final parameters and rank 0's buffers."""
     torch.manual_seed(0)
-    model = Net().to(dtype)
+    model = Net().to(dtype).to(device)
     strategy = (reduce or AllReduce)(algorithm=algorithm, overlap=overlap, chunk_mb=CHUNK_MB)
     ddp = DistributedDataParallel(model, sync=strategy, comm=comm, **BUCKETS)
     inner = OPTIMIZERS[optimizer](model.parameters())
@@ -55,6 +55,7 @@ def train(comm, overlap, algorithm, optimizer, dtype, steps, reduce=None):
     for _ in range(steps):
         x = torch.randn(4, 3, 6, 6, generator=generator, dtype=dtype)
         y = torch.randint(0, 10, (4,), generator=generator)
+        x, y = x.to(device), y.to(device)
         loss = F.cross_entropy(ddp(x), y)  # overlap="forward": the last step is taken here
         seen.append([p.detach().clone() for p in model.parameters()])
         losses.append(loss.item())
@@ -73,12 +74,14 @@ def train(comm, overlap, algorithm, optimizer, dtype, steps, reduce=None):
     return losses, seen, final, buffers, len(state["state"])
 
 
-def forward_overlap_equals_allreduce(comm, algorithm, optimizer, dtype_name, steps=6):
+def forward_overlap_equals_allreduce(comm, algorithm, optimizer, dtype_name, steps=6,
+                                     device="cpu"):
     """Both schedules, the same data: (bitwise equal?, largest difference) of every
     loss, every parameter each forward saw, the final parameters and buffers."""
     dtype = getattr(torch, dtype_name)
-    plain = train(comm, "backward", algorithm, optimizer, dtype, steps)
-    ahead = train(comm, "forward", algorithm, optimizer, dtype, steps)
+    torch.backends.cudnn.deterministic = True  # on a GPU: the same gradients both times
+    plain = train(comm, "backward", algorithm, optimizer, dtype, steps, device=device)
+    ahead = train(comm, "forward", algorithm, optimizer, dtype, steps, device=device)
     assert plain[4] == ahead[4] > 0, (plain[4], ahead[4])  # optimizer state, every param
     pairs = [(torch.tensor(plain[0]), torch.tensor(ahead[0]))]
     pairs += [(a, b) for step_a, step_b in zip(plain[1], ahead[1]) for a, b in zip(step_a, step_b)]

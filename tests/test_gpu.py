@@ -59,3 +59,17 @@ def test_trainer_on_nccl_learns(tmp_path):
     records = [json.loads(line) for line in open(tmp_path / "m.jsonl")]
     assert records[-1]["train_loss"] < records[0]["train_loss"]
     assert records[-1]["test_acc"] > 0.2  # ten classes: chance is 0.1
+
+
+@pytest.mark.timeout(240)
+def test_buckets_by_priority_on_the_gpu_end_where_plain_allreduce_ends():
+    """A CUDA model through gloo: the communication thread's own stream and the chunks by
+    priority (overlap="forward") read each gradient only once it is in its bucket and
+    hand each reduced chunk back only once it is in place: every step's weights equal
+    plain allreduce's (float64, the ring at 2 ranks adds two numbers: bitwise)."""
+    from checks_overlap import forward_overlap_equals_allreduce
+    from distributed import run_world
+    results = run_world(forward_overlap_equals_allreduce, 2,
+                        ("ring", "sgd", "float64", 6, "cuda"), timeout=220)
+    for equal, worst, moved in results:
+        assert moved and equal, worst

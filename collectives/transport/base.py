@@ -238,6 +238,9 @@ class Transport:
         self.device = device
         self.timeout = timeout
         self.traffic = Traffic()
+        # host copies of a collective that failed, which a receive may still be writing
+        # (api._on_host): kept, never handed to another call
+        self.abandoned_buffers: List[torch.Tensor] = []
         # Which ranks share a host. init() exchanges it (Topology.exchange); until then
         # every rank is taken to be on this one.
         self.topology = Topology.one_host(world_size)

@@ -49,6 +49,9 @@ class Group(Transport):
     def release_workspace(self) -> None:
         self.parent.release_workspace()
 
+    def staging_device(self, tensor: torch.Tensor) -> Optional[torch.device]:
+        return self.parent.staging_device(tensor)  # its messages go through the parent
+
     def isend(self, tensor: torch.Tensor, dst: int) -> Handle:
         return self.parent.isend(tensor, self.members[dst])
 

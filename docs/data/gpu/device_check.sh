@@ -15,7 +15,8 @@
 #   5. with MEASURE=1, the cost model's GPU figures (measure.py).
 # Offline machines get mpich, mpi4py, python-hostlist and expecttest from wheels in
 # .gpu_wheels/ if present (docs/library.md says how to fetch them). With ARCHIVE=FILE
-# the outputs so far are packed into FILE after each step (a run cut short keeps them).
+# the outputs so far are packed into FILE after each step (a run cut short keeps them);
+# ONLY="NAME ..." runs only the steps named.
 #   bash docs/data/gpu/device_check.sh OUTDIR
 set -u
 out=${1:-${OUT:-/tmp/gpu_out}}; mkdir -p "$out"
@@ -38,6 +39,7 @@ export XDG_CACHE_HOME="$out/cache"; unset COLLECTIVES_TUNING
 
 step() {  # step NAME SECONDS COMMAND...: run it, its output to OUTDIR/NAME.txt
     local name=$1 seconds=$2; shift 2
+    if [ -n "${ONLY:-}" ] && [[ " $ONLY " != *" $name "* ]]; then return; fi
     local left=$((deadline - SECONDS - 10))
     if [ "$left" -lt 20 ]; then echo "== $name: skipped, $left s left"; return; fi
     [ "$seconds" -gt "$left" ] && seconds=$left
@@ -60,7 +62,8 @@ auto_bench bench_gloo4_no_table 70 $py -m collectives.bench --nproc 4 --backend 
 step tune_gloo4 90 $py -m collectives.tune --nproc 4 --backend gloo
 auto_bench bench_gloo4_table 70 $py -m collectives.bench --nproc 4 --backend gloo
 step trainer_bench_cuda 100 $py -m trainer.bench --nproc 2 --device cuda \
-    --sync allreduce,ddp --steps 3 --rounds 3 --json "$out/trainer_bench_cuda.jsonl"
+    --sync allreduce,ddp,allreduce:overlap=forward --steps 3 --rounds 3 \
+    --json "$out/trainer_bench_cuda.jsonl"
 auto_bench bench_gloo2_no_table 50 $py -m collectives.bench --nproc 2 --backend gloo
 auto_bench bench_mpi4_no_table 70 mpirun -np 4 $py -m collectives.bench --backend mpi
 step trainer_bench_cpu 100 $py -m trainer.bench --nproc 4 --device cpu \
