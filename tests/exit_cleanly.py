@@ -91,6 +91,7 @@ def _rank_case(case: str, backend: str) -> None:
     import collectives
     from collectives import sync
 
+    _record_created_segments()
     if case == "init-fail":
         _fail_while_the_segments_exist()
     comm = collectives.init(backend=backend, timeout=RANK_TIMEOUT)
@@ -119,6 +120,33 @@ def _rank_case(case: str, backend: str) -> None:
     print(f"rank {comm.rank} done", flush=True)
 
 
+def _record_created_segments() -> None:
+    """Write the path of every shared-memory file this rank creates to
+    $EXIT_CLEANLY_DIR before creating it: the driver checks those, and only those, are
+    gone (other jobs on the machine have files of their own)."""
+    from collectives.transport import shm
+    make_segment = shm._Segment.__init__
+
+    def recorded(segment, path, local_size, slots, slot_bytes, create):
+        if create:
+            with open(os.path.join(os.environ["EXIT_CLEANLY_DIR"],
+                                   f"segments-created-{os.getpid()}"), "a") as out:
+                out.write(path + "\n")
+        make_segment(segment, path, local_size, slots, slot_bytes, create)
+
+    shm._Segment.__init__ = recorded
+
+
+def _created_segments(folder: str) -> list:
+    """The shared-memory files the job's ranks recorded creating."""
+    paths = []
+    for name in os.listdir(folder):
+        if name.startswith("segments-created-"):
+            with open(os.path.join(folder, name)) as recorded:
+                paths += recorded.read().split()
+    return paths
+
+
 def _fail_while_the_segments_exist() -> None:
     """Have rank 1 fail inside init() at the moment every shared-memory file is in
     /dev/shm: just after it has mapped rank 0's segment (ranks remove their files only
@@ -130,8 +158,9 @@ def _fail_while_the_segments_exist() -> None:
     def failing(segment, path, local_size, slots, slot_bytes, create):
         map_segment(segment, path, local_size, slots, slot_bytes, create)
         if not create and path.endswith("-0"):  # rank 1 (of 2) maps rank 0's segment
-            with open(os.path.join(os.environ["EXIT_CLEANLY_DIR"], "segments-seen"), "w") as out:
-                out.write(str(len(_shm_files())))
+            folder = os.environ["EXIT_CLEANLY_DIR"]
+            with open(os.path.join(folder, "segments-seen"), "w") as out:
+                out.write(str(sum(map(os.path.exists, _created_segments(folder)))))
             raise RuntimeError("rank 1 failed during init on purpose")
 
     shm._Segment.__init__ = failing
@@ -266,18 +295,10 @@ def command(launcher: str, case: str, nprocs: int) -> list:
     return [*rank, "gloo"]
 
 
-def _shm_files() -> set:
-    try:
-        return {name for name in os.listdir("/dev/shm") if name.startswith("collectives-")}
-    except OSError:
-        return set()
-
-
 def run_job(launcher: str, case: str, nprocs: int = 2) -> Outcome:
     errors = tempfile.mkdtemp(prefix="exit-cleanly-")
     from launchers import rank_env
     env = rank_env(EXIT_CLEANLY_DIR=errors)
-    before = _shm_files()
     started = time.monotonic()
     try:
         done = subprocess.run(command(launcher, case, nprocs), capture_output=True, text=True,
@@ -289,6 +310,7 @@ def run_job(launcher: str, case: str, nprocs: int = 2) -> Outcome:
                          for part in (hung.stdout or "", hung.stderr or ""))
     seconds = time.monotonic() - started
     segments_seen = 0
+    leftovers = sorted(path for path in _created_segments(errors) if os.path.exists(path))
     for name in sorted(os.listdir(errors)):  # the ranks' errors, as they wrote them
         with open(os.path.join(errors, name)) as file:
             if name == "segments-seen":
@@ -296,17 +318,7 @@ def run_job(launcher: str, case: str, nprocs: int = 2) -> Outcome:
             elif name.startswith("error-"):
                 output += f"\n[error file] {file.read()}"
     shutil.rmtree(errors, ignore_errors=True)
-    return Outcome(launcher, case, returncode, seconds, output, _left_since(before),
-                   segments_seen)
-
-
-def _left_since(before: set) -> list:
-    """Files in /dev/shm since `before` that stay: another job's (these tests may run
-    beside others) exist only for the moment its ranks take to map them."""
-    new = _shm_files() - before
-    if new:
-        time.sleep(1.0)
-    return sorted(new & _shm_files())
+    return Outcome(launcher, case, returncode, seconds, output, leftovers, segments_seen)
 
 
 def cases_for(launcher: str) -> list:

@@ -29,9 +29,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 FAST = "1gbit"
 
-pytestmark = pytest.mark.skipif(
-    os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode,
-    reason="the emulated cluster needs root and iproute2")
+pytestmark = [
+    pytest.mark.skipif(
+        os.geteuid() != 0 or subprocess.run(["ip", "netns", "list"], capture_output=True).returncode,
+        reason="the emulated cluster needs root and iproute2"),
+    # namespaces, cgroups and `--cleanup` are the machine's: one such test at a time
+    pytest.mark.xdist_group("machine")]
 
 
 def netns_names():

@@ -276,6 +276,7 @@ needs_root = pytest.mark.skipif(
 
 
 @needs_root
+@pytest.mark.xdist_group("machine")  # the emulated cluster: one such test at a time
 @pytest.mark.timeout(300)
 def test_on_the_cluster_a_killed_host_stays_out_and_a_cut_one_comes_back(tmp_path):
     """3 hosts, the store on the switch: node1 is killed at 20 s, node2's link is down

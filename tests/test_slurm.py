@@ -26,7 +26,8 @@ from test_cluster import (FAST, ROOT, assert_left_nothing, checks, default_stop_
 MISSING = [program for program in PROGRAMS if shutil.which(program) is None]
 needs_slurm = pytest.mark.skipif(bool(MISSING), reason=(
     f"Slurm is not installed ({', '.join(MISSING)} missing): apt-get install slurm-wlm munge"))
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="the emulated cluster needs root"),
+              pytest.mark.xdist_group("machine")]  # its daemons and hosts: one at a time
 SPEC = ClusterSpec((2, 2), bandwidth=FAST)
 TIMEOUT = 240  # seconds any one Slurm command of these tests may take
 
