@@ -68,7 +68,7 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
     Ranks listed in `may_die` are not waited for: they may die, hang or report (their
     slot is None unless they reported before the others finished).
     """
-    from collectives.launch.spawn import free_port  # here, not above: see _rank_main
+    from ports import free_port
 
     context = _rank_context()
     results = context.Queue()

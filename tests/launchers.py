@@ -23,7 +23,7 @@ import sys
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from collectives.launch.mpirun import find_mpirun
-from collectives.launch.spawn import free_port
+from ports import free_port
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
@@ -73,7 +73,8 @@ def launch_mpi_sh(nprocs: int, *command: str) -> List[str]:
 def torchrun(nprocs: int, *args: str) -> List[str]:
     """`torchrun --nproc-per-node N args`, where `args` is what follows `python` in the
     command (torchrun starts python itself, unless args begin with --no-python). Its
-    rendezvous is on a free port, so that jobs running side by side do not meet."""
+    rendezvous is on a free port (ports.py), so that jobs running side by side do not
+    meet."""
     return python("-m", "torch.distributed.run", "--nproc-per-node", str(nprocs),
                   "--master-port", str(free_port()), *args)
 

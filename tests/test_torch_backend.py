@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from collectives.launch.spawn import free_port
 from launchers import TESTS, mpirun, python, rank_env, run, torchrun
+from ports import free_port
 
 CHECKS = ("check_reductions", "check_movement", "check_point_to_point", "check_subgroups",
           "check_disagreement", "check_chained_callbacks")

@@ -9,9 +9,9 @@ import torch
 
 from checks_trainer import (epoch_records, extended_by_resume, overflowing_first_backward,
                             printed_by_runs, straight_and_resumed, train_then_eval_only)
-from collectives.launch.spawn import free_port
 from distributed import run_world
 from launchers import LAUNCHERS, python, run, trainer
+from ports import free_port
 
 TINY = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16", "--epochs", "1"]
 
