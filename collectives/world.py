@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 from datetime import timedelta
-from typing import Optional, Tuple, Union
+from typing import Dict, Optional, Tuple, Union
 
 import torch
 
@@ -46,6 +46,10 @@ BACKENDS = ("auto", "gloo", "nccl", "mpi")
 DEFAULT_TIMEOUT = timedelta(seconds=300)
 
 _default: Optional[Transport] = None
+# The stores this process met its peers at, by (address, world size, rank), and how many
+# times it has (see _meet).
+_stores: Dict[tuple, object] = {}
+_meetings: Dict[tuple, int] = {}
 
 
 def _as_timedelta(timeout: Union[None, float, timedelta]) -> timedelta:
@@ -276,9 +280,7 @@ def _over_torch_distributed(backend: str, device, info: LaunchInfo,
     """gloo or nccl: meet at rank 0's store, take the census, choose, build the group."""
     import torch.distributed as dist
     from .transport.torch_dist import TorchDistTransport
-    host, port = rendezvous_address(info)
-    store = dist.TCPStore(host, port, info.world_size, is_master=info.rank == 0,
-                          timeout=timeout)
+    store = _meet(info, timeout)
     census = Census.take(store, info.rank, info.world_size, gpu_ids(), timeout)
     backend, said = choose_backend(backend, census)
     if said and info.rank == 0:
@@ -289,6 +291,27 @@ def _over_torch_distributed(backend: str, device, info: LaunchInfo,
                             world_size=info.world_size, timeout=timeout)
     return TorchDistTransport(backend, info.rank, info.world_size, local_rank, device,
                               timeout)
+
+
+def _meet(info: LaunchInfo, timeout: timedelta):
+    """The store at rank 0 where the ranks meet, under a fresh prefix for this init().
+
+    A process keeps its store for its life, and each init() of the job uses keys of its
+    own ("init2/..."): every rank calls init() as many times (Horovod's shutdown() then
+    init(), say). A new store on the same port instead could reach the old one, still
+    up on a rank slower to close, whose keys from the last init() send the ranks to a
+    group being torn down ("Connection reset by peer")."""
+    import torch.distributed as dist
+    host, port = rendezvous_address(info)
+    key = (host, port, info.world_size, info.rank)
+    store = _stores.get(key)
+    if store is None:
+        store = _stores[key] = dist.TCPStore(host, port, info.world_size,
+                                             is_master=info.rank == 0, timeout=timeout)
+    else:
+        store.set_timeout(timeout)
+    _meetings[key] = _meetings.get(key, 0) + 1
+    return dist.PrefixStore(f"init{_meetings[key]}/", store)
 
 
 def _backend_of_group(group) -> Tuple[str, bool]:
