@@ -24,8 +24,7 @@ def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
     assert sorted(names) == [0, 1] and names[1].startswith("rank 1")
     for rank in (0, 1):
         offset = json.loads((folder / f"rank{rank}.json").read_text())["otherData"]
-        # one machine: one clock, measured so to within a round trip (ms on 2 busy cores)
-        assert abs(offset["clock_offset_us"]) < 20000
+        assert abs(offset["clock_offset_us"]) < 5000  # one machine: one clock, measured so
         mine = [e for e in merged if e["pid"] == rank and e["ph"] == "X"]
         steps = sorted((e for e in mine if e["cat"] == "step"), key=lambda e: e["ts"])
         assert [s["args"]["step"] for s in steps] == [2, 3]
