@@ -46,19 +46,26 @@ CHUNK_EXTRA = 0.02  # what a chunk's fixed costs may add to its bytes' time
 
 
 def chunk_bytes_for(comm: Transport, extra: float = CHUNK_EXTRA) -> int:
-    """The chunk size for this job's links, from the cost model: the smallest power of
-    two, from 256 KiB to 64 MiB, whose all-reduce together with its agreement the model
-    says takes at most `extra` longer per byte than a 64 MiB all-reduce. Smaller chunks
-    let a bucket overtake sooner; each costs a few latencies and a call. (The model's
-    answers on its calibration: 1 MiB at 100 Mbit/s, 4 MiB at 1 Gbit/s, 64 MiB on one
-    host, where overtaking gains nothing.)"""
-    from .algorithms import COSTS
+    """The chunk size for this job's links (`chunk_bytes`, with this job's shape,
+    links and transport); NCCL's own default where the cost model does not apply."""
     from .algorithms.auto import job_constants, model_constants_path, shape_of
     from .launch.links import link_rate_bytes
     if comm.world_size == 1 or comm.name.split("+")[0] == "nccl":
         return DEFAULT_CHUNK_BYTES
     shape = shape_of(comm.world_size, comm.topology)
-    constants = job_constants(model_constants_path(), shape, link_rate_bytes() or 0.0)
+    constants = job_constants(model_constants_path(), shape, link_rate_bytes() or 0.0,
+                              comm.name)
+    return chunk_bytes(shape, constants, extra)
+
+
+def chunk_bytes(shape, constants, extra: float = CHUNK_EXTRA) -> int:
+    """The smallest power of two, from 256 KiB to 64 MiB, whose all-reduce together
+    with its agreement the cost model says takes at most `extra` longer per byte than a
+    64 MiB all-reduce, for ranks placed as `shape` (costs.Shape) on machines of
+    `constants`. Smaller chunks let a bucket overtake sooner; each costs a few
+    latencies and a call. (The model's answers on its calibration: 1 MiB at 100
+    Mbit/s, 4 MiB at 1 Gbit/s, 64 MiB on one host, where overtaking gains nothing.)"""
+    from .algorithms import COSTS
 
     def seconds(nbytes: int) -> float:
         return min(cost(nbytes, shape, constants) for cost in COSTS["all_reduce"].values())

@@ -9,7 +9,8 @@ Each all-reduce algorithm (ring, halving-doubling, tree, naive, the backend's ow
 the hierarchy where hosts hold several ranks) is timed at a ladder of sizes, 4 KiB to
 64 MiB by default, as `collectives.bench --in-turns` times them (call by call in
 turns, so that the machine's drift falls on all alike; the slowest rank's mean, the
-median of trials), in about a minute. The quickest at each size becomes a rule, and the rules a
+median of trials), in about a minute; where the quickest changes between two rungs, the
+size halfway between them is timed too. The quickest at each size becomes a rule, and the rules a
 table (collectives/algorithms/tuning.py) for this world on this machine: its key is
 the transport, the ranks' placement, the cores and the links' rate. It goes to the
 cache folder (on every host: each host's first rank writes it), or to --out; from then
@@ -48,20 +49,29 @@ def rank_main(args) -> None:
     runner = bench.Runner(comm, torch.float32, min_iters=args.min_iters,
                           seconds_per_row=args.seconds_per_row, trials=args.trials)
     say(f"{'size(B)':>12} " + " ".join(f"{name:>16}" for name in candidates) + "  quickest")
-    times = {name: [] for name in candidates}
-    for nbytes in args.sizes:
-        for row in runner.measure_in_turns("all_reduce", candidates, nbytes):
+    measured = {}  # size -> {algorithm: microseconds per call}
+
+    def measure(nbytes: int) -> None:
+        rows = runner.measure_in_turns("all_reduce", candidates, nbytes)
+        for row in rows:
             if row["wrong"]:
                 raise RuntimeError(f"{row['algorithm']} gave {row['wrong']} wrong values "
                                    f"at {nbytes} B")
-            times[row["algorithm"]].append(row["time_us"])  # the slowest rank's: alike
-        quickest = min(candidates, key=lambda name: times[name][-1])
-        say(f"{nbytes:>12} " + " ".join(f"{times[name][-1]:>16.1f}" for name in candidates)
-            + f"  {quickest}", flush=True)
+        measured[nbytes] = {row["algorithm"]: row["time_us"] for row in rows}  # slowest rank's
+        times = measured[nbytes]
+        say(f"{nbytes:>12} " + " ".join(f"{times[name]:>16.1f}" for name in candidates)
+            + f"  {min(times, key=times.get)}", flush=True)
+
+    for nbytes in args.sizes:
+        measure(nbytes)
+    for nbytes in tuning.between_winners(measured):  # where the quickest changes: look closer
+        measure(nbytes)
+    sizes = sorted(measured)
+    times = {name: [measured[nbytes][name] for nbytes in sizes] for name in candidates}
     path = args.out or os.path.join(tuning.cache_folder(), tuning.file_name(key))
     writes = comm.rank == 0 if args.out else comm.topology.local_rank(comm.rank) == 0
     if writes:
-        table = tuning.write(key, args.sizes, times, path)
+        table = tuning.write(key, sizes, times, path)
     comm.barrier()  # every host's table is written before anyone says so
     if comm.rank == 0:
         rules = ", ".join(f"{algorithm} below {below} B" if below else f"{algorithm} above"

@@ -60,6 +60,16 @@ def test_rules_switch_halfway_between_rungs_whose_winners_differ():
     assert tuning.rules_from_times(sizes[:1], {"tree": [1], "ring": [2]}) == [(None, "tree")]
 
 
+def test_tune_looks_again_halfway_where_the_quickest_changes():
+    measured = {4 * KiB: {"naive": 10, "tree": 20}, 16 * KiB: {"naive": 30, "tree": 40},
+                64 * KiB: {"naive": 90, "tree": 60}, 256 * KiB: {"naive": 300, "tree": 200},
+                256 * KiB + 4: {"naive": 100, "tree": 300}}
+    # only between neighbours whose winners differ, and only where a size fits between
+    assert tuning.between_winners(measured) == [32 * KiB]
+    measured[32 * KiB] = {"naive": 50, "tree": 45}
+    assert tuning.between_winners(measured) == [int((16 * KiB * 32 * KiB) ** 0.5) // 4 * 4]
+
+
 def test_auto_follows_a_table_and_says_where_its_choice_comes_from(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.delenv("COLLECTIVES_TUNING", raising=False)

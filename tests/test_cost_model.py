@@ -67,6 +67,19 @@ def test_other_collectives_costs():
     assert rs + ag == pytest.approx(COSTS["all_reduce"]["ring"](4e6, Shape(1, 4), C))
 
 
+def test_through_shared_memory_the_rings_relays_move_nothing_of_their_own():
+    shm = Constants(**{**C.__dict__, "transport": "gloo+shm"})
+    # 4 ranks, 4e6 bytes: of the 3 reduce-scatter steps, steps 1 and 2 (n - 2) send the
+    # sum the step before wrote straight into their outgoing slot: 2 x 1e6 x 1e-9 less
+    ring = COSTS["all_reduce"]["ring"]
+    assert ring(4e6, Shape(1, 4), shm) == pytest.approx(6 * 2.1e-3 + 3e-4 - 2e-3)
+    assert ring(4e6, Shape(1, 2), shm) == ring(4e6, Shape(1, 2), C)  # no step between
+    assert ring(4e6, Shape(2, 2), shm) == ring(4e6, Shape(2, 2), C)  # relays cross hosts
+    # the job's transport decides: the same constants for a job on plain gloo
+    assert ring(4e6, Shape(1, 4), shm.for_job(transport="gloo")) == ring(4e6, Shape(1, 4), C)
+    assert shm.for_job().transport == "gloo+shm"
+
+
 def test_segments_add_a_message_each():
     one = COSTS["all_reduce"]["ring"](4 * 2**22, Shape(1, 4), C)  # chunks of one segment
     two = COSTS["all_reduce"]["ring"](8 * 2**22, Shape(1, 4), C)  # two segments a chunk

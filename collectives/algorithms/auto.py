@@ -49,10 +49,11 @@ def model_constants_path() -> str:
     return os.environ.get("COLLECTIVES_MODEL") or CALIBRATED
 
 
-def job_constants(path: str, shape: Shape, emulated_rate: float = 0.0):
+def job_constants(path: str, shape: Shape, emulated_rate: float = 0.0, transport: str = ""):
     """The constants at `path`, for this job's machines: the emulated cluster's links
     (`emulated_rate` bytes/s each way, with tbf's bucket) or real ones (no bucket); ranks
-    that share one machine (one host, or the emulated cluster) share its cores."""
+    that share one machine (one host, or the emulated cluster) share its cores; the
+    job's `transport` (comm.name; "": the one the constants were measured on)."""
     from ..launch.links import bucket_bytes
     from .costs import load_constants
     try:
@@ -62,17 +63,18 @@ def job_constants(path: str, shape: Shape, emulated_rate: float = 0.0):
                          f"($COLLECTIVES_MODEL): {error}") from None
     shared = emulated_rate or shape.hosts == 1  # ranks of one machine share its cores
     return c.for_job(emulated_rate, burst=bucket_bytes(emulated_rate) if emulated_rate else 0.0,
-                     shared_cores=(os.cpu_count() or 1) if shared else 0)
+                     shared_cores=(os.cpu_count() or 1) if shared else 0, transport=transport)
 
 
 @functools.lru_cache(maxsize=1024)
 def model_choice(nbytes: int, hosts: int, ranks_per_host: int, path: str,
-                 emulated_rate: float = 0.0) -> str:
+                 emulated_rate: float = 0.0, transport: str = "") -> str:
     """The all-reduce algorithm the cost model says is quickest (the constants at `path`,
-    for this job's machines: `job_constants`)."""
+    for this job's machines and transport: `job_constants`)."""
     from . import fastest
     shape = Shape(hosts, ranks_per_host)
-    return fastest("all_reduce", nbytes, shape, job_constants(path, shape, emulated_rate))
+    return fastest("all_reduce", nbytes, shape,
+                   job_constants(path, shape, emulated_rate, transport))
 
 
 def all_reduce_choice(nbytes: int, world_size: int, transport: str,
@@ -89,7 +91,7 @@ def all_reduce_choice(nbytes: int, world_size: int, transport: str,
     shape = shape_of(world_size, topology)
     from ..launch.links import link_rate_bytes  # the emulated cluster's links, if there
     return model_choice(nbytes, shape.hosts, shape.ranks_per_host, model_constants_path(),
-                        link_rate_bytes() or 0.0)
+                        link_rate_bytes() or 0.0, transport)
 
 
 def broadcast_choice(nbytes: int, world_size: int, transport: str, topology=None,

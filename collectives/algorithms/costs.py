@@ -85,7 +85,13 @@ class Constants:
     link_rate: float = 0.0   # bytes/s of the link `network` was measured on (0: unshaped)
     burst: float = 0.0       # bytes an idle shaped link passes at once (0: a real NIC)
     cores: int = 0           # cores every rank shares (the emulated cluster's machine; 0: one each)
-    transport: str = ""      # what it was measured on ("gloo+shm", ...)
+    transport: str = ""      # what it was measured on ("gloo+shm", ...), or the job's
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether ranks of one host talk through shared memory (gloo+shm, mpi+shm), where
+        a reduced receive can write its sum straight into an outgoing message."""
+        return self.transport.endswith("+shm")
 
     def per_message(self, algorithm: str, network: bool = False) -> float:
         """Seconds per message that `algorithm` adds to the route, inside a host or
@@ -133,11 +139,13 @@ class Constants:
                        burst=burst if rate else self.burst)
 
     def for_job(self, rate: float = 0.0, latency: float = 0.0, burst: float = 0.0,
-                shared_cores: int = 0) -> "Constants":
+                shared_cores: int = 0, transport: str = "") -> "Constants":
         """These constants for a job's machines: links of `rate` bytes/s each way (0: as
         measured) holding tbf's `burst` (0: real NICs), `latency` seconds more per
-        message between hosts, ranks sharing `shared_cores` cores (0: a core each)."""
-        return replace(self.with_link(rate, latency), burst=burst, cores=shared_cores)
+        message between hosts, ranks sharing `shared_cores` cores (0: a core each), the
+        job's `transport` (a comm.name; "": the one measured on)."""
+        return replace(self.with_link(rate, latency), burst=burst, cores=shared_cores,
+                       transport=transport or self.transport)
 
     def as_dict(self) -> dict:
         return asdict(self)

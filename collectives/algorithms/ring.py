@@ -26,6 +26,12 @@ per byte and gamma seconds per reduced byte:
     reduce-scatter or all-gather:   (n-1) alpha + (n-1)/n K beta  (+ (n-1)/n K gamma)
     all-reduce:                    2(n-1) alpha + 2(n-1)/n K beta + (n-1)/n K gamma
 
+Through shared memory on one host the reduce-scatter's middle n-2 steps move nothing
+of their own (see below: each sum is written straight into the next outgoing slot),
+so the all-reduce moves n/n K: K beta instead of 2(n-1)/n K beta. This is what puts
+the ring ahead of halving-doubling on a host whose ranks each have a core (docs/
+benchmarks.md, "auto against the quickest fixed algorithm").
+
 Pipelining: every chunk is cut into segments (the transport's `segment_bytes`, 4 MiB:
 every message pays a fixed cost, so smaller segments are slower on one host; on a slow
 link between hosts smaller, Transport.segment_for_link, so that the next link of the
@@ -285,19 +291,33 @@ def all_reduce(comm: Transport, flat: torch.Tensor, op: str,
 # per-message overhead is paid (hierarchical and native run this ring as theirs).
 
 def _step_cost(chunk: float, shape: Shape, c: Constants, segment_bytes: int,
-               algorithm: str) -> float:
+               algorithm: str, moved: Optional[float] = None) -> float:
+    """One step: the messages of a `chunk`, moving `moved` bytes of it (all by default)."""
     network = shape.hosts > 1
     route = shape.route(crosses_hosts=network, c=c)
     per_message = route.alpha + c.per_message(algorithm, network)
-    return c.step(messages(chunk, segment_bytes) * per_message, chunk * route.beta,
+    moved = chunk if moved is None else moved
+    return c.step(messages(chunk, segment_bytes) * per_message, moved * route.beta,
                   shape.world_size)
 
 
+def _relayed(shape: Shape, c: Constants) -> int:
+    """How many reduce-scatter steps move no bytes of their own: through shared memory
+    on one host, a step's receive adds straight out of its slot into the next step's
+    outgoing slot (irecv_reduce with forward_to), so steps 1 to n-2 send what the step
+    before already wrote, and the last step's receive is that same pass. Elsewhere a
+    relay's sum is a send of its own."""
+    return max(shape.world_size - 2, 0) if shape.hosts == 1 and c.shared_memory else 0
+
+
 def _steps_cost(nbytes: float, shape: Shape, c: Constants, segment_bytes: int,
-                algorithm: str, steps_per_rank: int) -> float:
-    """`steps_per_rank` ring steps of one chunk each, links busy from first to last."""
-    n = shape.world_size
-    return steps_per_rank * _step_cost(nbytes / n, shape, c, segment_bytes, algorithm)
+                algorithm: str, steps_per_rank: int, relayed: int = 0) -> float:
+    """`steps_per_rank` ring steps of one chunk each, links busy from first to last;
+    `relayed` of them move no bytes of their own (_relayed)."""
+    chunk = nbytes / shape.world_size
+    moving = _step_cost(chunk, shape, c, segment_bytes, algorithm)
+    relaying = _step_cost(chunk, shape, c, segment_bytes, algorithm, moved=0.0)
+    return (steps_per_rank - relayed) * moving + relayed * relaying
 
 
 def _link_bytes(nbytes: float, shape: Shape, steps: int) -> float:
@@ -310,8 +330,9 @@ def reduce_scatter_cost(nbytes: float, shape: Shape, c: Constants,
     """(n-1) alpha + (n-1)/n K beta + (n-1)/n K gamma"""
     n = shape.world_size
     link = _link_bytes(nbytes, shape, n - 1)
-    return max(_steps_cost(nbytes, shape, c, segment_bytes, algorithm, n - 1)
-               + (n - 1) / n * nbytes * c.gamma - c.burst_saving(link), c.link_bound(link))
+    steps = _steps_cost(nbytes, shape, c, segment_bytes, algorithm, n - 1, _relayed(shape, c))
+    return max(steps + (n - 1) / n * nbytes * c.gamma - c.burst_saving(link),
+               c.link_bound(link))
 
 
 def all_gather_cost(nbytes: float, shape: Shape, c: Constants,
@@ -332,5 +353,6 @@ def cost(nbytes: float, shape: Shape, c: Constants, segment_bytes: int = SEGMENT
     n = shape.world_size
     link = _link_bytes(nbytes, shape, 2 * (n - 1))
     saving = c.burst_saving(link) if idle_link else 0.0
-    return max(_steps_cost(nbytes, shape, c, segment_bytes, algorithm, 2 * (n - 1))
-               + (n - 1) / n * nbytes * c.gamma - saving, c.link_bound(link))
+    steps = _steps_cost(nbytes, shape, c, segment_bytes, algorithm, 2 * (n - 1),
+                        _relayed(shape, c))
+    return max(steps + (n - 1) / n * nbytes * c.gamma - saving, c.link_bound(link))

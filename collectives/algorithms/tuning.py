@@ -120,6 +120,21 @@ def rules_from_times(sizes: Sequence[int], times: Dict[str, Sequence[float]]
     return rules
 
 
+def between_winners(measured: Dict[int, Dict[str, float]]) -> List[int]:
+    """The sizes halfway (geometrically, a whole number of 4-byte elements) between two
+    measured neighbours whose quickest algorithms differ, where that leaves room: the
+    rule's switch lies somewhere in there, and a ladder of x4 rungs can put it a factor
+    of two from where it belongs."""
+    sizes = sorted(measured)
+    quickest = [min(measured[size], key=measured[size].get) for size in sizes]
+    between = []
+    for (low, a), (high, b) in zip(zip(sizes, quickest), zip(sizes[1:], quickest[1:])):
+        middle = int((low * high) ** 0.5) // 4 * 4
+        if a != b and low < middle < high and middle not in measured:
+            between.append(middle)
+    return between
+
+
 def write(key: Dict, sizes: Sequence[int], times: Dict[str, Sequence[float]],
           path: str) -> Table:
     """Write the table measured as `times` (microseconds per call, per algorithm and

@@ -5,8 +5,11 @@
 # machine's cores, no table) choose, and how each compares with the quickest.
 # From the repository's root on a quiet machine (root for the emulated cluster):
 #     bash docs/data/auto_in_turns/run.sh [local] [cluster]      (default: both)
+# OUT=folder writes the rows there (another run beside these); RATES="1gbit" runs the
+# cluster at that rate only.
 set -eu
-out=$(dirname "$0")
+out=${OUT:-$(dirname "$0")}  # where the rows go (OUT=folder: another run beside them)
+mkdir -p "$out"
 export OMP_NUM_THREADS=1
 export XDG_CACHE_HOME=$(mktemp -d)  # tables of this run only
 trap 'rm -rf "$XDG_CACHE_HOME"' EXIT
@@ -31,10 +34,12 @@ local_runs() {  # one host, through shared memory
     done
 }
 cluster_runs() {  # 4 hosts of 1 rank, 2 hosts of 2 (gloo: TCP between hosts, shm within)
-    for rate in 1gbit 100mbit; do
-        # a 64 MiB call takes seconds at 100 Mbit/s: a call per trial, three trials
+    for rate in ${RATES:-1gbit 100mbit}; do
+        # a 64 MiB call takes seconds at 100 Mbit/s: there a call per trial, three trials;
+        # at 1 Gbit/s two calls per trial, five trials (one call swings by 1.5x)
         LADDER=4K,64K,1M,16M,64M SIZES=4K,64K,1M,16M,64M PER_ROW=0.5 TRIALS=3 MIN_ITERS=1
         TUNE_MIN_ITERS=1
+        if [ "$rate" = 1gbit ]; then TRIALS=5 MIN_ITERS=2; fi
         EXTRA= measure "cluster_4x1_$rate" "" \
             python -m collectives.cluster --hosts 4 --bandwidth "$rate" --
         EXTRA=,hierarchical measure "cluster_2x2_$rate" "" \

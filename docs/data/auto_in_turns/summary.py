@@ -4,12 +4,22 @@ chose, each over the quickest fixed algorithm's (collectives.bench's "# at" line
 over 1.10 in bold.
 
     python docs/data/auto_in_turns/summary.py docs/data/auto_in_turns/{gloo,mpi}_?.txt
+
+Given runs of the same worlds from several folders (run.sh with OUT=folder), a cell
+is the median ratio over the runs, with the algorithms chosen in them:
+
+    python docs/data/auto_in_turns/summary.py docs/data/auto_in_turns/{,run2/,run3/}{gloo,mpi}_?.txt
+
+and a last line says how far apart two rows of the same algorithm came out (auto's own
+row over the row of the algorithm it chose, same run): what a ratio can resolve.
 """
 import re
 import sys
+from collections import defaultdict
 
 LINE = re.compile(r".*?# at\s+(\d+) B quickest\s+(\S+)\s+([\d.]+) us; chosen / quickest: (.*)")
 CHOICE = re.compile(r"(table|model) (\S+) ([\d.]+)")
+OWN_ROW = re.compile(r"auto's own row ([\d.]+)")
 SHORT = {"ring": "ring", "halving-doubling": "hd", "tree": "tree", "naive": "naive",
          "native": "native", "hierarchical": "hier"}
 
@@ -21,30 +31,64 @@ def size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def cells(path: str) -> dict:
-    """size -> 'table: algorithm ratio / model: algorithm ratio' of one run."""
-    found = {}
+def read(path: str):
+    """size -> [(source, algorithm, ratio)], and auto's own row over its choice's."""
+    found, own = {}, []
     for line in open(path):
         match = LINE.match(line.strip())
         if match:
             nbytes, _, _, rest = match.groups()
-            said = []
-            for source, name, ratio in CHOICE.findall(rest):
-                text = f"{SHORT.get(name, name)} {float(ratio):.2f}"
-                said.append(f"**{text}**" if float(ratio) > 1.10 else text)
-            found[int(nbytes)] = " / ".join(said)
-    return found
+            choices = [(source, name, float(ratio))
+                       for source, name, ratio in CHOICE.findall(rest)]
+            found[int(nbytes)] = choices
+            row = OWN_ROW.search(rest)
+            if row and choices:  # auto follows its first source (the table, if any)
+                own.append(float(row.group(1)) / choices[0][2])
+    return found, own
+
+
+def median(values):
+    values = sorted(values)
+    middle = len(values) // 2
+    return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+
+def cell(runs) -> str:
+    """One world at one size over its runs: per source, the median ratio and choices."""
+    by_source = defaultdict(list)
+    for choices in runs:
+        for source, name, ratio in choices:
+            by_source[source].append((name, ratio))
+    said = []
+    for source, picks in by_source.items():
+        names = ",".join(dict.fromkeys(SHORT.get(name, name) for name, _ in picks))
+        ratio = median([ratio for _, ratio in picks])
+        text = f"{names} {ratio:.2f}"
+        said.append(f"**{text}**" if ratio > 1.10 else text)
+    return " / ".join(said)
 
 
 def main(paths) -> None:
-    runs = {path.rsplit("/", 1)[-1].removesuffix(".txt"): cells(path) for path in paths
-            if not path.endswith("_tune.txt")}
-    sizes = sorted({nbytes for run in runs.values() for nbytes in run})
-    print("| size | " + " | ".join(runs) + " |")
-    print("|---|" + "---|" * len(runs))
+    worlds = defaultdict(list)  # world name -> one {size: choices} per run
+    own = []
+    for path in paths:
+        if path.endswith("_tune.txt"):
+            continue
+        found, rows = read(path)
+        worlds[path.rsplit("/", 1)[-1].removesuffix(".txt")].append(found)
+        own += rows
+    sizes = sorted({nbytes for runs in worlds.values() for run in runs for nbytes in run})
+    print("| size | " + " | ".join(worlds) + " |")
+    print("|---|" + "---|" * len(worlds))
     for nbytes in sizes:
-        print(f"| {size(nbytes)} | " + " | ".join(run.get(nbytes, "-") for run in runs.values())
-              + " |")
+        print(f"| {size(nbytes)} | " + " | ".join(
+            cell([run[nbytes] for run in runs if nbytes in run]) or "-"
+            for runs in worlds.values()) + " |")
+    if own:
+        own.sort()
+        print(f"\nauto's own row over its choice's, {len(own)} cells: {own[0]:.2f} to "
+              f"{own[-1]:.2f}, median {median(own):.2f}, "
+              f"{sum(1 for r in own if r > 1.10 or r < 1 / 1.10)} beyond 1.10 either way")
 
 
 if __name__ == "__main__":
