@@ -7,7 +7,7 @@ import pytest
 from collectives.algorithms import fastest
 from collectives.algorithms.costs import WIRE_EFFICIENCY, Constants, Route, Shape
 from launchers import python, run
-from trainer import replay
+from trainer import replay, replay_forward
 from trainer.replay import TracedBucket, TracedStep, profile_from_trace, simulate
 
 RATE = 1e9  # bytes/s: the link in the hand computations
@@ -187,28 +187,27 @@ def test_command_errors_are_one_line(tmp_path, capsys):
         assert message in err and "Traceback" not in err, err
 
 
+def replayed(directory, *argv) -> list:
+    """The rows trainer.replay writes for the trace in `directory`, on link_only()."""
+    constants = directory / "c.json"
+    constants.write_text(json.dumps({"constants": link_only().as_dict()}))
+    rows_file = directory / "rows.jsonl"
+    assert replay.main(["--trace", str(directory), "--constants", str(constants),
+                        "--json", str(rows_file), *argv]) == 0
+    return [json.loads(line) for line in rows_file.read_text().splitlines()]
+
+
 def test_a_strategy_not_modelled_says_so_and_gives_no_number(tmp_path, capsys):
     hand_made_trace(tmp_path, sync="ddp-powersgd")
-    constants = tmp_path / "c.json"
-    constants.write_text(json.dumps({"constants": link_only().as_dict()}))
-    rows_file = tmp_path / "rows.jsonl"
-    assert replay.main(["--trace", str(tmp_path), "--constants", str(constants),
-                         "--ranks", "8", "--json", str(rows_file)]) == 0
+    (row,) = replayed(tmp_path, "--ranks", "8")
     out = capsys.readouterr().out.splitlines()
     assert out[-1].split()[:3] == ["ddp-powersgd", "not", "modelled:"], out
-    (row,) = [json.loads(line) for line in rows_file.read_text().splitlines()]
     assert row["modelled"] is False and "step_ms" not in row and row["reason"]
 
 
 def test_the_command_on_a_hand_made_trace(tmp_path, capsys):
     hand_made_trace(tmp_path)
-    constants = tmp_path / "c.json"
-    constants.write_text(json.dumps({"constants": link_only().as_dict()}))
-    rows_file = tmp_path / "rows.jsonl"
-    assert replay.main(["--trace", str(tmp_path), "--constants", str(constants),
-                         "--ranks", "2,4", "--ranks-per-host", "1", "--step-time", "0.29",
-                         "--json", str(rows_file)]) == 0
-    rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
+    rows = replayed(tmp_path, "--ranks", "2,4", "--ranks-per-host", "1", "--step-time", "0.29")
     assert [(r["sync"], r["ranks"]) for r in rows] == [("allreduce", 2), ("allreduce", 4)]
     assert rows[0]["compute_ms"] == pytest.approx(290)  # 0.098 + 0.45 + 0.03, scaled to 0.29 s
     assert rows[0]["images_per_s"] == pytest.approx(2 * 4 / (rows[0]["step_ms"] / 1e3))
@@ -276,3 +275,69 @@ def test_nested_collectives_count_once(tmp_path):
     assert p.collectives == [("all_reduce", "hierarchical", 4000)]
     assert p.moment_s == pytest.approx(0.25)
     assert p.buckets == [] and p.writeback_s == 0
+
+
+# --- allreduce:overlap=forward (trainer/replay_forward.py) --------------------------
+
+def test_chunks_go_to_the_highest_bucket_launched_first():
+    """Bucket 1 (the earlier layers) launched while bucket 0 is on the wire takes the
+    next chunk; bucket 0's rest follows."""
+    thread = replay_forward._CommThread(chunk=1, chunk_seconds=lambda k, nbytes: 1.0)
+    done = thread.run(launches=[0.0, 0.5], sizes=[4, 1])
+    assert done == [5.0, 2.0]
+    assert thread.free_at == 5.0
+    # idle until a launch, and a later call starts where the thread is free
+    assert thread.run(launches=[7.0, 7.0], sizes=[1, 2]) == [10.0, 9.0]
+
+
+def test_forward_shares_follow_backwards_time_per_bucket():
+    step = profile(buckets=[TracedBucket(0.1, 10), TracedBucket(0.4, 10), TracedBucket(0.5, 10)])
+    assert replay_forward.forward_shares(step) == pytest.approx([0.2, 0.6, 0.2])
+    at_once = profile(buckets=[TracedBucket(0.0, 10), TracedBucket(0.0, 30)])
+    assert replay_forward.forward_shares(at_once) == pytest.approx([0.25, 0.75])
+
+
+def overlap_step(step: TracedStep, constants: Constants):
+    return simulate(step, TWO_HOSTS, constants,
+                    strategy=replay.STRATEGIES["allreduce:overlap=forward"])
+
+
+def test_overlap_forward_without_communication_is_the_compute():
+    step = profile(buckets=[TracedBucket(0.1, 10e6), TracedBucket(0.4, 10e6)])
+    zero = Route(0.0, 0.0)
+    free = Constants(local=zero, network=zero, gamma=0.0, overhead={"default": 0.0},
+                     native=zero)
+    result = overlap_step(step, free)
+    assert result.waited_s == 0 and result.step_s == pytest.approx(0.65)
+
+
+def test_overlap_forward_hides_the_wait_under_the_next_forward():
+    """Two big buckets still on the wire when backward ends: plain allreduce waits for
+    them all, then runs the optimizer and the forward; overlap=forward reduces the last
+    bucket (the first layers) first and lets the forward run while the others finish,
+    so a step is shorter, but never shorter than the link's time for its bytes."""
+    buckets = [TracedBucket(0.1, 400e6), TracedBucket(0.3, 400e6), TracedBucket(0.5, 20e6)]
+    plain = simulate(profile(buckets=buckets), TWO_HOSTS, link_only())
+    overlap = overlap_step(profile(buckets=buckets), link_only())
+    wire = 820e6 * SECONDS_PER_BYTE  # 0.857 s of link a step: the link is the bound
+    assert plain.step_s > wire + 0.1  # the forward and the optimizer after the last bucket
+    # most of the forward (0.1 s) and of the optimizer (0.05 s) went under the buckets
+    assert wire <= overlap.step_s < plain.step_s - 0.1
+    assert overlap.waited_s < plain.waited_s
+    assert overlap.algorithms  # what auto ran for the chunks
+
+
+def test_a_trace_of_allreduce_answers_for_overlap_forward(tmp_path, capsys):
+    hand_made_trace(tmp_path)
+    plain, overlap = replayed(tmp_path, "--ranks", "2", "--ranks-per-host", "1",
+                              "--sync", "allreduce,allreduce:overlap=forward")
+    assert overlap["sync"] == "allreduce:overlap=forward" and overlap["modelled"]
+    assert overlap["compute_ms"] == plain["compute_ms"]  # the same traced step
+    assert overlap["step_ms"] < plain["step_ms"]  # the forward went under the bucket
+    # without plain allreduce in the trace there is nothing to replay it from
+    other = tmp_path / "other"
+    other.mkdir()
+    hand_made_trace(other, sync="bf16")
+    with pytest.raises(SystemExit):
+        replayed(other, "--sync", "allreduce:overlap=forward")
+    assert "not in the trace" in capsys.readouterr().err

@@ -59,6 +59,8 @@ cluster. Put together, one step is simulated per strategy and per rank count.
 What each strategy is, in that picture (STRATEGIES below):
 
     allreduce      every bucket, full bytes, auto's algorithm, plus its measured work
+    allreduce:overlap=forward   the same buckets from plain allreduce's trace, reduced in
+                   chunks by priority while the next forward runs (replay_forward.py)
     bf16 / fp16    the same buckets at half the bytes, plus the measured casts
     powersgd       no buckets; after backward, on the training thread, the all-reduces
                    the trace shows (uncompressed vectors, all P's, all Q's: their bytes
@@ -102,6 +104,8 @@ from collectives.algorithms import COSTS, fastest
 from collectives.algorithms.costs import Constants, Shape
 from collectives.cost_model import load, on_cluster
 from collectives.cost_model.units import parse_latency, parse_rate
+from collectives.priority import chunk_bytes
+from .replay_forward import simulate_forward_overlap
 
 US = 1e-6  # trace timestamps are microseconds
 
@@ -294,10 +298,12 @@ class Strategy:
     bucket_work: bool = True    # add the measured CPU work per bucket
     periodic: bool = False      # one averaging every --period steps on the training thread
     torch: bool = False         # torch's DDP (dashed in the plot)
+    overlap_forward: bool = False  # the next forward under the last buckets (replay_forward.py)
 
 
 STRATEGIES = {
     "allreduce": Strategy("allreduce"),
+    "allreduce:overlap=forward": Strategy("allreduce", overlap_forward=True),
     "bf16": Strategy("bf16", byte_factor=0.5),
     "fp16": Strategy("fp16", byte_factor=0.5),
     "powersgd": Strategy("powersgd", buckets=False),
@@ -337,11 +343,30 @@ def _reduce(nbytes: float, algorithm: str, shape: Shape, c: Constants,
     return COSTS["all_reduce"][algorithm](nbytes, shape, c)
 
 
+def _training_thread(profile: TracedStep, s: Strategy, shape: Shape, c: Constants,
+                     used: List[str]) -> float:
+    """Seconds of the collectives on the training thread (buffer broadcasts, PowerSGD's
+    all-reduces), waited on in full."""
+    seconds = 0.0
+    for collective, algorithm, nbytes in profile.collectives:
+        if collective == "all_reduce":
+            seconds += _reduce(nbytes, s.algorithm, shape, c, used)
+        elif algorithm in COSTS.get(collective, {}):
+            seconds += COSTS[collective][algorithm](nbytes, shape, c)
+    return seconds
+
+
 def simulate(profile: TracedStep, shape: Shape, constants: Constants, scale: float = 1.0,
              period: int = 8, strategy: Optional[Strategy] = None) -> Result:
     """One step of `profile`'s sync on `shape`, compute divided by `scale`."""
     s = strategy or STRATEGIES[profile.sync]
     used: List[str] = []
+    if s.overlap_forward:  # several steps, until the schedule repeats
+        own = _training_thread(profile, s, shape, constants, used)
+        step, waited = simulate_forward_overlap(
+            profile, scale, chunk_bytes(shape, constants),
+            lambda nbytes: _reduce(nbytes, s.algorithm, shape, constants, used), own)
+        return Result(step, waited + own, profile.compute_s / scale, tuple(used))
     forward, backward = profile.forward_s / scale, profile.backward_s / scale
     # the communication thread: buckets in order, each when ready and after the last
     comm_end = 0.0
@@ -352,12 +377,7 @@ def simulate(profile: TracedStep, shape: Shape, constants: Constants, scale: flo
             comm_end = start + work + _reduce(bucket.nbytes * s.byte_factor, s.algorithm,
                                               shape, constants, used)
     waited = max(0.0, comm_end - (forward + backward))
-    # the training thread's own collectives (buffer broadcasts, PowerSGD's all-reduces)
-    for collective, algorithm, nbytes in profile.collectives:
-        if collective == "all_reduce":
-            waited += _reduce(nbytes, s.algorithm, shape, constants, used)
-        elif algorithm in COSTS.get(collective, {}):
-            waited += COSTS[collective][algorithm](nbytes, shape, constants)
+    waited += _training_thread(profile, s, shape, constants, used)
     if s.periodic:  # one averaging per period, spread over its steps
         waited += _reduce(profile.averaging_bytes, s.algorithm, shape, constants, used) / period
     step = (forward + backward + waited
@@ -366,6 +386,19 @@ def simulate(profile: TracedStep, shape: Shape, constants: Constants, scale: flo
 
 
 # --- the command ----------------------------------------------------------------------
+
+NEEDS_ALLREDUCE = ("replayed from plain allreduce's buckets: trace --sync allreduce with it")
+
+
+def profile_for(profiles: Dict[str, TracedStep], sync: str) -> Optional[TracedStep]:
+    """The traced step a sync is replayed from: its own; overlap=forward's is plain
+    allreduce's (the same buckets, launched at the same moments; its own trace has them
+    in chunks, under the next step's forward), so a trace of allreduce alone answers
+    for it too. None: not in the trace."""
+    if STRATEGIES.get(sync, Strategy("")).overlap_forward:
+        return profiles.get("allreduce")
+    return profiles.get(sync)
+
 
 def _ranks(text: str) -> List[int]:
     try:
@@ -385,16 +418,19 @@ def rows_for(profiles: Dict[str, TracedStep], syncs: List[str], ranks: List[int]
     its reason and no numbers."""
     rows = []
     for sync in syncs:
-        profile = profiles[sync]
         if sync not in STRATEGIES:
             rows.append(dict(sync=sync, modelled=False,
                              reason=NOT_MODELLED.get(sync, "no model for this strategy")))
+            continue
+        profile = profile_for(profiles, sync)
+        if profile is None:
+            rows.append(dict(sync=sync, modelled=False, reason=NEEDS_ALLREDUCE))
             continue
         scale = profile.compute_s / step_time if step_time else (compute_scale or 1.0)
         images = batch or profile.batch or 32  # trainer.bench's default
         for n in ranks:
             shape = Shape(n // per_host, per_host)
-            result = simulate(profile, shape, constants, scale, period)
+            result = simulate(profile, shape, constants, scale, period, STRATEGIES[sync])
             rows.append(dict(
                 sync=sync, modelled=True, ranks=n, hosts=shape.hosts, ranks_per_host=per_host,
                 step_ms=result.step_s * 1e3, waited_ms=result.waited_s * 1e3,
@@ -407,14 +443,15 @@ def rows_for(profiles: Dict[str, TracedStep], syncs: List[str], ranks: List[int]
 
 def print_table(rows: List[dict], out=None) -> None:
     out = out or sys.stdout
-    print(f"{'sync':>13} {'ranks':>6} {'hosts x ranks':>13} {'step ms':>9} {'waited ms':>9} "
+    w = max([13] + [len(row["sync"]) for row in rows])  # the sync column fits every name
+    print(f"{'sync':>{w}} {'ranks':>6} {'hosts x ranks':>13} {'step ms':>9} {'waited ms':>9} "
           f"{'img/s':>9} {'efficiency':>10}  algorithms", file=out)
     for row in rows:
         if not row["modelled"]:
-            print(f"{row['sync']:>13}  not modelled: {row['reason']}", file=out)
+            print(f"{row['sync']:>{w}}  not modelled: {row['reason']}", file=out)
             continue
         layout = f"{row['hosts']} x {row['ranks_per_host']}"
-        print(f"{row['sync']:>13} {row['ranks']:>6} {layout:>13} {row['step_ms']:>9.1f} "
+        print(f"{row['sync']:>{w}} {row['ranks']:>6} {layout:>13} {row['step_ms']:>9.1f} "
               f"{row['waited_ms']:>9.1f} {row['images_per_s']:>9.1f} "
               f"{row['efficiency']:>10.0%}  {','.join(row['algorithms']) or '-'}", file=out)
 
@@ -493,7 +530,8 @@ def main(argv=None) -> int:
     if not profiles:
         p.error(f"--trace {args.trace}: no traced steps in it")
     syncs = args.sync or list(profiles)
-    missing = [s for s in syncs if s not in profiles]
+    missing = [s for s in syncs if s not in profiles and (
+        s not in STRATEGIES or profile_for(profiles, s) is None)]
     if missing:
         p.error(f"sync {', '.join(missing)} not in the trace: it holds {', '.join(profiles)}")
     try:
@@ -502,7 +540,8 @@ def main(argv=None) -> int:
         p.error(f"--constants {args.constants}: {error}")
     constants = on_cluster(constants, args.bandwidth or 0.0, args.latency or 0.0,
                            args.emulated)
-    batch = args.batch_size or (None if all(profiles[s].batch for s in syncs) else 32)
+    traced = [profile_for(profiles, s) for s in syncs if s in STRATEGIES] or list(profiles.values())
+    batch = args.batch_size or (None if all(p is None or p.batch for p in traced) else 32)
 
     rows = rows_for(profiles, syncs, args.ranks, args.ranks_per_host, constants,
                     args.compute_scale, args.step_time, args.period, batch)
