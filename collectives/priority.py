@@ -63,8 +63,9 @@ def chunk_bytes(shape, constants, extra: float = CHUNK_EXTRA) -> int:
     with its agreement the cost model says takes at most `extra` longer per byte than a
     64 MiB all-reduce, for ranks placed as `shape` (costs.Shape) on machines of
     `constants`. Smaller chunks let a bucket overtake sooner; each costs a few
-    latencies and a call. (The model's answers on its calibration: 1 MiB at 100
-    Mbit/s, 4 MiB at 1 Gbit/s, 64 MiB on one host, where overtaking gains nothing.)"""
+    latencies and a call. (The model's answers on its calibration, 4 emulated hosts of
+    one rank: 1 MiB at 100 Mbit/s, 8 MiB at 1 Gbit/s; 64 MiB on one host, where
+    overtaking gains nothing.)"""
     from .algorithms import COSTS
 
     def seconds(nbytes: int) -> float:

@@ -30,7 +30,7 @@ from . import bench
 from .algorithms import tuning
 from .launch.environment import add_local_rank_argument
 
-LADDER = "4K,16K,64K,256K,1M,4M,16M,64M"  # x4 a rung: 8 sizes, about a minute
+LADDER = "4K,16K,64K,256K,1M,4M,16M,64M"  # x4 a rung, and those between: about a minute
 
 
 def rank_main(args) -> None:

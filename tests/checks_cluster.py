@@ -109,6 +109,7 @@ def slurm_case(comm):
             "ranks_on_host": len(comm.topology.local_ranks(comm.rank)),  # as the ranks found
             "launch": detect_launch().__dict__,  # as Slurm said
             "auto_16M": all_reduce_choice(16 << 20, comm.world_size, comm.name, comm.topology),
+            "transport": comm.name,
             "port": slurm_rendezvous(os.environ)[1]}
 
 

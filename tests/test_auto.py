@@ -147,6 +147,9 @@ def test_tune_writes_a_table_init_then_follows(tmp_path):
                       env={"XDG_CACHE_HOME": str(tmp_path)})
     table = tuning.Table.load(str(out))
     assert table.key == tuning.key_for("gloo+shm", 2, None) | {"ranks_per_host": 2}
+    written = json.loads(out.read_text())  # the sizes in order, the times beside them
+    assert written["sizes"] == sorted(written["sizes"]) and len(written["sizes"]) in (2, 3)
+    assert all(len(t) == len(written["sizes"]) for t in written["times_us"].values())
     assert table.rules[-1][0] is None and "# rules:" in result.stdout
     # bench, timing the algorithms in turns, says what each source of auto's choice
     # would run at each size and how it compares with the quickest

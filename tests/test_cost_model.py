@@ -78,6 +78,9 @@ def test_through_shared_memory_the_rings_relays_move_nothing_of_their_own():
     # the job's transport decides: the same constants for a job on plain gloo
     assert ring(4e6, Shape(1, 4), shm.for_job(transport="gloo")) == ring(4e6, Shape(1, 4), C)
     assert shm.for_job().transport == "gloo+shm"
+    # the backend's own all-reduce does not go through our shared memory
+    native = COSTS["all_reduce"]["native"]
+    assert native(4e6, Shape(1, 4), shm) == native(4e6, Shape(1, 4), C)
 
 
 def test_segments_add_a_message_each():
@@ -183,6 +186,20 @@ def test_one_host_leaves_the_network_unmeasured():
 
 
 # ---- auto beyond what was measured -------------------------------------------------------
+
+def test_auto_asks_the_model_for_this_jobs_transport(monkeypatch):
+    """On a host whose ranks each have a core (16), 4 ranks, 16 MiB, the shipped
+    constants: through shared memory the ring's relays make it the quickest; over
+    gloo's TCP (no relays) halving-doubling's fewer steps win."""
+    monkeypatch.setattr(auto.os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("COLLECTIVES_MODEL", raising=False)
+    auto.model_choice.cache_clear()
+    try:
+        assert auto.all_reduce_choice(16 << 20, 4, "gloo+shm") == "ring"
+        assert auto.all_reduce_choice(16 << 20, 4, "gloo") == "halving-doubling"
+    finally:
+        auto.model_choice.cache_clear()  # choices for 16 cores: not this machine's
+
 
 def test_auto_without_a_table_asks_the_model(tmp_path, monkeypatch):
     path = tmp_path / "constants.json"

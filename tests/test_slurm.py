@@ -64,7 +64,8 @@ def assert_placed_by_slurm(results, tasks_per_node):
         assert result["auto_16M"] == results[0]["auto_16M"], f"rank {rank} chose otherwise"
     hosts = len(results) // tasks_per_node  # no tuning table: the cost model's quickest
     assert results[0]["auto_16M"] == auto.model_choice(
-        16 << 20, hosts, tasks_per_node, auto.model_constants_path(), rate_bits(FAST) / 8)
+        16 << 20, hosts, tasks_per_node, auto.model_constants_path(), rate_bits(FAST) / 8,
+        results[0]["transport"])
     if tasks_per_node > 1:
         assert results[0]["auto_16M"] == "hierarchical"
     assert results[0]["checks"] > 20

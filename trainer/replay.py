@@ -362,11 +362,17 @@ def simulate(profile: TracedStep, shape: Shape, constants: Constants, scale: flo
     s = strategy or STRATEGIES[profile.sync]
     used: List[str] = []
     if s.overlap_forward:  # several steps, until the schedule repeats
-        own = _training_thread(profile, s, shape, constants, used)
+        before = _training_thread(profile, s, shape, constants, [])  # on the comm thread here
+        agreement = COSTS["all_reduce"]["native"](8, shape, constants)  # gloo's own, 8 bytes
+        costs: Dict[float, float] = {}  # chunks come in few sizes: price each once
+
+        def reduce(nbytes: float) -> float:
+            if nbytes not in costs:
+                costs[nbytes] = _reduce(nbytes, s.algorithm, shape, constants, used)
+            return costs[nbytes]
         step, waited = simulate_forward_overlap(
-            profile, scale, chunk_bytes(shape, constants),
-            lambda nbytes: _reduce(nbytes, s.algorithm, shape, constants, used), own)
-        return Result(step, waited + own, profile.compute_s / scale, tuple(used))
+            profile, scale, chunk_bytes(shape, constants), reduce, agreement, before)
+        return Result(step, waited, profile.compute_s / scale, tuple(used))
     forward, backward = profile.forward_s / scale, profile.backward_s / scale
     # the communication thread: buckets in order, each when ready and after the last
     comm_end = 0.0
@@ -457,7 +463,8 @@ def print_table(rows: List[dict], out=None) -> None:
 
 
 def plot(rows: List[dict], path: str, title: str) -> None:
-    """images/s against ranks (log x): ours solid, torch's dashed, a pair alike in colour."""
+    """images/s against ranks (log x): ours solid, torch's dashed, a pair alike in colour;
+    overlap=forward dotted, in plain allreduce's colour."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -467,8 +474,9 @@ def plot(rows: List[dict], path: str, title: str) -> None:
     for sync in dict.fromkeys(r["sync"] for r in rows if r["modelled"]):
         mine = [r for r in rows if r["modelled"] and r["sync"] == sync]
         s = STRATEGIES[sync]
+        style = "--" if s.torch else ":" if s.overlap_forward else "-"
         ax.plot([r["ranks"] for r in mine], [r["images_per_s"] for r in mine], marker="o",
-                linestyle="--" if s.torch else "-", color=colours[s.family], label=sync)
+                linestyle=style, color=colours[s.family], label=sync)
     ax.set_xscale("log")
     ax.set_yscale("log")  # linear scaling is then a straight line
     ax.set_xlabel("ranks")
@@ -540,7 +548,8 @@ def main(argv=None) -> int:
         p.error(f"--constants {args.constants}: {error}")
     constants = on_cluster(constants, args.bandwidth or 0.0, args.latency or 0.0,
                            args.emulated)
-    traced = [profile_for(profiles, s) for s in syncs if s in STRATEGIES] or list(profiles.values())
+    traced = ([profile_for(profiles, s) for s in syncs if s in STRATEGIES]
+              or list(profiles.values()))
     batch = args.batch_size or (None if all(p is None or p.batch for p in traced) else 32)
 
     rows = rows_for(profiles, syncs, args.ranks, args.ranks_per_host, constants,

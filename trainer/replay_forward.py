@@ -14,10 +14,19 @@ collectives/priority.py picks for the cluster from the cost model.
 The trace times the forward as a whole, not layer by layer. The replay gives each
 bucket's layers the share of the forward that the backward spent making that bucket's
 gradients (backward runs the same layers, in reverse, at about twice a forward's
-cost): bucket k's layers take forward x (ready_k - ready_{k-1}) / ready_last. The
-optimizer's time is shared by bytes. Every chunk costs what our `auto` would run for
-its bytes, plus the small all-reduce in which the ranks agree on it, plus its share of
-the bucket's measured CPU work:
+cost): bucket k's layers take forward x (ready_k - ready_{k-1}) / ready_last. Each
+layer's optimizer step and the copy of its reduced gradient (plain allreduce's
+writeback) come before its forward, shared by bytes. The communication thread runs as
+priority.py's does: the buffer broadcast as the step's first job (DDP's, at the first
+launch), then every chunk at what our `auto` would run for its bytes plus its share of
+the bucket's measured CPU work, each preceded, until every bucket has launched, by the
+small all-reduce (gloo's own) in which the ranks agree on what has.
+
+Where it departs from the real schedule: a layer waits here for its whole bucket,
+where the real forward waits only for the chunks holding its own parameters (each
+bucket is sent from its first layers on); so the model is slower than the real
+schedule where the forward could have started on a bucket's first chunks, most where
+the step is not bound by the link.
 
     training thread:  [fwd: wait b2, opt b2, layers b2 | b1 .. | b0 ..] backward ..... | next
     comm thread:      .. [b1 c3][b0 c1][b0 c0]            [b0 c0 c1][b1 c0][b2 c0][b1 c1] ..
@@ -43,22 +52,40 @@ def forward_shares(profile) -> List[float]:
 
 
 class _CommThread:
-    """The communication thread: launched buckets reduced chunk by chunk, always the
-    next chunk of the highest bucket launched (the earliest layers)."""
+    """The communication thread of one step (priority.PriorityReducer.run_step): at the
+    step's first launch, its first job (`before`: the buffer broadcast), then launched
+    buckets chunk by chunk, always the next chunk of the highest bucket launched (the
+    earliest layers). Until every bucket has been seen launched, each chunk is preceded
+    by the ranks' agreement on what has launched (`agreement` seconds), which sees the
+    launches before it began; when nothing agreed is left, it waits for a launch."""
 
-    def __init__(self, chunk: int, chunk_seconds: Callable[[int, int], float]):
+    def __init__(self, chunk: int, chunk_seconds: Callable[[int, int], float],
+                 agreement: float = 0.0, before: float = 0.0):
+        if chunk <= 0:
+            raise ValueError(f"chunks of {chunk} bytes")
         self.chunk, self.chunk_seconds = chunk, chunk_seconds
+        self.agreement, self.before = agreement, before
         self.free_at = 0.0
 
     def run(self, launches: List[float], sizes: List[int]) -> List[float]:
         """When each bucket's last chunk ends, the buckets launched at `launches`."""
+        n = len(sizes)
         left = list(sizes)
-        done = [launches[k] if not sizes[k] else math.inf for k in range(len(sizes))]
-        now = self.free_at
+        done = [launches[k] if not sizes[k] else math.inf for k in range(n)]
+        if not any(left):
+            return done
+        now = max(self.free_at, min(launches)) + self.before
+        seen = -math.inf  # launches at or before this moment are agreed
         while any(left):
-            waiting = [k for k in range(len(left)) if left[k] and launches[k] <= now]
-            if not waiting:  # idle until the next launch
-                now = min(launches[k] for k in range(len(left)) if left[k])
+            if seen < math.inf:
+                if not any(left[k] and launches[k] <= now for k in range(n)):
+                    now = min(launches[k] for k in range(n) if left[k])  # idle until one
+                seen = now
+                now += self.agreement
+                if all(launch <= seen for launch in launches):
+                    seen = math.inf  # every bucket agreed: no more agreements this step
+            waiting = [k for k in range(n) if left[k] and launches[k] <= seen]
+            if not waiting:
                 continue
             k = max(waiting)
             piece = min(self.chunk, left[k])
@@ -71,38 +98,41 @@ class _CommThread:
 
 
 def simulate_forward_overlap(profile, scale: float, chunk: int,
-                             reduce: Callable[[float], float],
-                             own: float = 0.0) -> Tuple[float, float]:
+                             reduce: Callable[[float], float], agreement: float = 0.0,
+                             before: float = 0.0) -> Tuple[float, float]:
     """(seconds a step, of which waited) for `profile` (trainer.replay's TracedStep of
     plain allreduce: its buckets) under overlap=forward, compute divided by `scale`,
     buckets reduced in chunks of `chunk` bytes, `reduce(nbytes)` the seconds of one
-    all-reduce; `own`: seconds of collectives on the training thread in each forward
-    (buffer broadcasts), waited in full."""
+    all-reduce, `agreement` those of one agreement, `before` those of the comm
+    thread's first job of a step (the buffer broadcast DDP does there)."""
     buckets = profile.buckets
     forward, backward = profile.forward_s / scale, profile.backward_s / scale
-    optimizer = profile.optimizer_s / scale
-    between = (profile.writeback_s + profile.moment_s) / scale  # backward's end to the next forward
-    total = sum(bucket.nbytes for bucket in buckets) or 1
+    # what each layer does before its forward: its optimizer step and the copy of its
+    # reduced gradient (plain allreduce's writeback, here layer by layer), by bytes
+    stepping = (profile.optimizer_s + profile.writeback_s) / scale
+    moment = profile.moment_s / scale  # backward's end to the next forward
+    total = sum(bucket.nbytes for bucket in buckets)
+    if not total:  # nothing to reduce: the forward waits for nothing
+        return forward + backward + stepping + moment, 0.0
     shares = forward_shares(profile)
-    agreement = reduce(8)  # the ranks agree on each chunk with one tiny all-reduce
 
     def chunk_seconds(k: int, nbytes: int) -> float:
-        work = buckets[k].work_s / scale * nbytes / buckets[k].nbytes if buckets[k].nbytes else 0
-        return agreement + work + reduce(nbytes)
+        work = buckets[k].work_s / scale * nbytes / buckets[k].nbytes
+        return work + reduce(nbytes)
 
-    comm = _CommThread(chunk, chunk_seconds)
+    comm = _CommThread(chunk, chunk_seconds, agreement, before)
     done = [0.0] * len(buckets)  # when the step before's buckets were reduced
     starts, waits = [], []
     now = 0.0
     for _ in range(STEPS):
         starts.append(now)
-        waited, now = 0.0, now + own
+        waited = 0.0
         for k in reversed(range(len(buckets))):  # the first layers' bucket first
             if done[k] > now:
                 waited, now = waited + done[k] - now, done[k]
-            now += optimizer * buckets[k].nbytes / total + forward * shares[k]
+            now += stepping * buckets[k].nbytes / total + forward * shares[k]
         waits.append(waited)
         launches = [now + bucket.ready_s / scale for bucket in buckets]
         done = comm.run(launches, [bucket.nbytes for bucket in buckets])
-        now += backward + between
+        now += backward + moment
     return starts[-1] - starts[-2], waits[-2]  # the last whole step, once it repeats

@@ -37,14 +37,16 @@ def all_gather(comm: Transport, flat: torch.Tensor) -> None:
 
 # Costs (see costs.py). What the backend runs inside is its own affair; modelled here
 # as a ring in rank order with one message per step (gloo's all-reduce is a ring),
-# inside a host on the backend's own route (c.native), with its own per-message cost.
+# inside a host on the backend's own route (c.native), with its own per-message cost,
+# and none of our shared memory's relays (the backend's collectives go over its own
+# transport: transport "").
 
 def cost(nbytes: float, shape: Shape, c: Constants) -> float:
     n = shape.world_size
     if n == 1:
         return 0.0
-    return ring.cost(nbytes, shape, replace(c, local=c.native), segment_bytes=0,
-                     algorithm="native")
+    return ring.cost(nbytes, shape, replace(c, local=c.native, transport=""),
+                     segment_bytes=0, algorithm="native")
 
 
 def broadcast_cost(nbytes: float, shape: Shape, c: Constants) -> float:
