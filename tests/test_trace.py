@@ -48,9 +48,10 @@ def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
 
 
 @pytest.mark.timeout(300)
-def test_the_summary_agrees_with_trainer_bench_on_the_hidden_share(tmp_path):
+def test_the_summary_agrees_with_trainer_bench_on_steps_and_the_hidden_share(tmp_path):
     folder, rows = tmp_path / "trace", tmp_path / "bench.jsonl"
-    run(python("-m", "trainer.bench", "--nproc", "2", "--sync", "allreduce,ddp",
+    run(python("-m", "trainer.bench", "--nproc", "2", "--sync",
+               "allreduce,ddp,allreduce:overlap=forward",
                "--batch-size", "4", "--steps", "3", "--rounds", "1", "--warmup", "1",
                "--trace", str(folder), "--trace-steps", "3", "--json", str(rows)), timeout=280)
     bench = {row["sync"]: row for row in map(json.loads, rows.read_text().splitlines())}
@@ -62,6 +63,18 @@ def test_the_summary_agrees_with_trainer_bench_on_the_hidden_share(tmp_path):
         # same definition, measured once by the bench's counters and once from spans
         assert abs(mean_hidden - bench[sync]["hidden_share"]) < 0.05, (sync, mean_hidden,
                                                                         bench[sync])
+    # the training thread waits only inside steps: a round's last step ends with its
+    # drain (with overlap=forward, the wait the next forward would have had), inside
+    # its traced span as inside its time
+    events = summary.load(str(folder))
+    steps = [e for e in events if e["cat"] == "step"]
+    for wait in (e for e in events if e["cat"] == "wait"):
+        assert any(s["pid"] == wait["pid"] and s["tid"] == wait["tid"]
+                   and s["ts"] <= wait["ts"] and wait["ts"] + wait["dur"] <= s["ts"] + s["dur"]
+                   for s in steps), wait
+    for sync in ("allreduce", "ddp", "allreduce:overlap=forward"):
+        traced_ms = max(r.step_ms for r in traced[sync].values())
+        assert traced_ms == pytest.approx(bench[sync]["step_ms"], rel=0.1), (sync, traced_ms)
 
 
 def train_a_few_steps(comm, folder):

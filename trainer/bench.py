@@ -168,7 +168,9 @@ class Variant:
                         "thread_cpu": []}
         self.sent_bytes = self.waited = self.communicating = 0.0
 
-    def train_step(self):  # the trainer's order: backward, after_backward, step, after_step
+    def train_step(self, then=None):
+        """One step in the trainer's order: backward, after_backward, step, after_step;
+        and `then` (the round's last step: its drain), inside the step's span."""
         started = time.perf_counter_ns()
         with trace.span("forward", cat="compute"):
             loss = F.cross_entropy(self.wrapped(self.images), self.labels)
@@ -181,6 +183,8 @@ class Variant:
         with self.clock.blocking("after_step"):
             self.strategy.after_step(self.model, self.steps_done)
         self.optimizer.zero_grad()
+        if then is not None:
+            then()
         trace.add(f"step {self.steps_done}", "step", started, time.perf_counter_ns(),
                   step=self.steps_done, sync=self.name, batch=len(self.labels))
 
@@ -204,9 +208,10 @@ class Variant:
     def last_step_of_round(self):
         """A round's last step, which ends only when its background communication has:
         the round's window then holds all the bytes and seconds its steps started, and
-        neither the compute-only sample nor the next variant's window overlaps them."""
-        self.train_step()
-        self.drain()
+        neither the compute-only sample nor the next variant's window overlaps them.
+        The drain is inside the step's traced span, as it is inside its time (with
+        overlap=forward it is the wait the next forward would have had)."""
+        self.train_step(then=self.drain)
 
     def compute_only_step(self):
         """Forward, backward and the optimizer, with no communication and no moments
