@@ -345,21 +345,21 @@ def test_a_trace_of_allreduce_answers_for_overlap_forward(tmp_path, capsys):
 
 def test_overlap_forward_one_step_worked_by_hand():
     """Units where a byte takes 1 ms: buckets b0 (200 B, ready 0.2 s into backward)
-    and b1 (100 B, ready at 0.5 s, backward's end), chunks of 100 B, agreements of
-    10 ms, the buffer broadcast 20 ms first. Backward starts at B: the comm thread
-    starts at B+0.2, broadcasts to B+0.22, agrees (B+0.23), b0's first chunk to B+0.33,
-    agrees, its second to B+0.44; nothing more has launched: at B+0.5 it agrees (b1
-    too: the last agreement) and reduces b1 to B+0.61. The next forward starts at
-    B+0.51 (moment 10 ms), waits for b1 until B+0.61 (waited 0.1), steps b1's layers
-    (a third of optimizer + writeback, 70 ms by bytes) and runs their 60 % of the
-    forward (b1 made 60 % of backward's time), then b0's: B+0.78."""
+    and b1 (200 B, ready at 0.5 s, backward's end), chunks of 100 B, agreements of
+    10 ms, the buffer broadcast 0.1 s first. Backward starts at B: the comm thread
+    starts at B+0.2, broadcasts to B+0.3, agrees (B+0.31), b0's first chunk to B+0.41,
+    agrees, its second to B+0.52; b1 has launched: it agrees once more (the last: all
+    have launched) to B+0.53 and reduces b1's two chunks to B+0.73. The next forward
+    starts at B+0.51 (moment 10 ms), waits for b1 until B+0.73 (waited 0.22), steps
+    b1's layers (half of optimizer + writeback, 70 ms, by bytes) and runs their 60 % of
+    the forward (b1 made 60 % of backward's time), then b0's: B+0.90."""
     step = profile(forward_s=0.1, backward_s=0.5, optimizer_s=0.05, writeback_s=0.02,
-                   moment_s=0.01, buckets=[TracedBucket(0.2, 200), TracedBucket(0.5, 100)])
+                   moment_s=0.01, buckets=[TracedBucket(0.2, 200), TracedBucket(0.5, 200)])
     seconds, waited = replay_forward.simulate_forward_overlap(
         step, 1.0, chunk=100, reduce=lambda nbytes: nbytes * 1e-3, agreement=0.01,
-        before=0.02)
-    assert seconds == pytest.approx(0.78)
-    assert waited == pytest.approx(0.1)
+        before=0.1)
+    assert seconds == pytest.approx(0.90)
+    assert waited == pytest.approx(0.22)
     # no buckets at all: the compute, nothing waited
     assert replay_forward.simulate_forward_overlap(
         profile(), 1.0, chunk=100, reduce=lambda nbytes: 1.0) == (pytest.approx(0.65), 0.0)

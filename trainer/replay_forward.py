@@ -26,7 +26,9 @@ Where it departs from the real schedule: a layer waits here for its whole bucket
 where the real forward waits only for the chunks holding its own parameters (each
 bucket is sent from its first layers on); so the model is slower than the real
 schedule where the forward could have started on a bucket's first chunks, most where
-the step is not bound by the link.
+the step is not bound by the link. A bucket of no bytes costs no agreement of its
+own here, and the next forward waits for the buffer broadcast only through the
+buckets behind it.
 
     training thread:  [fwd: wait b2, opt b2, layers b2 | b1 .. | b0 ..] backward ..... | next
     comm thread:      .. [b1 c3][b0 c1][b0 c0]            [b0 c0 c1][b1 c0][b2 c0][b1 c1] ..
@@ -85,8 +87,7 @@ class _CommThread:
                 if all(launch <= seen for launch in launches):
                     seen = math.inf  # every bucket agreed: no more agreements this step
             waiting = [k for k in range(n) if left[k] and launches[k] <= seen]
-            if not waiting:
-                continue
+            assert waiting, "an agreement always sees a launched bucket with bytes left"
             k = max(waiting)
             piece = min(self.chunk, left[k])
             now += self.chunk_seconds(k, piece)

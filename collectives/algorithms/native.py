@@ -50,4 +50,5 @@ def cost(nbytes: float, shape: Shape, c: Constants) -> float:
 
 
 def broadcast_cost(nbytes: float, shape: Shape, c: Constants) -> float:
-    return tree.broadcast_cost(nbytes, shape, replace(c, local=c.native), algorithm="native")
+    return tree.broadcast_cost(nbytes, shape, replace(c, local=c.native, transport=""),
+                               algorithm="native")

@@ -1,7 +1,8 @@
 """Reading a merged trace: per step, how long each rank computed, communicated and waited.
 
 Definitions, per rank and traced step (a "step" span, from the first forward to the
-end of the strategy's after_step):
+end of the strategy's after_step; in trainer.bench a round's last step runs on to the
+end of its drain, the wait for what it left in the background):
 
     waited          the "wait" spans inside the step: the training thread could not go
                     on until communication finished
