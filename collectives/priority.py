@@ -73,7 +73,8 @@ def chunk_bytes(shape, constants, extra: float = CHUNK_EXTRA) -> int:
 
     largest = 64 << 20
     # the agreement priced as our quickest 8-byte all-reduce; the ranks run it as the
-    # backend's own (native_all_reduce), 6.9 against 1.9 ms at 100 Mbit/s by the model
+    # backend's own (native_all_reduce), 6.9 against 1.9 ms at 100 Mbit/s by the model,
+    # which priced so would pick 4 MiB there: measured 2-4 % slower (docs/strategies.md)
     per_byte, agreement = seconds(largest) / largest, seconds(8)
     size = 256 << 10
     while size < largest and (seconds(size) + agreement) / size > (1 + extra) * per_byte:
