@@ -538,8 +538,7 @@ def main(argv=None) -> int:
     if not profiles:
         p.error(f"--trace {args.trace}: no traced steps in it")
     syncs = args.sync or list(profiles)
-    missing = [s for s in syncs if s not in profiles and (
-        s not in STRATEGIES or profile_for(profiles, s) is None)]
+    missing = [s for s in syncs if s not in profiles and profile_for(profiles, s) is None]
     if missing:
         p.error(f"sync {', '.join(missing)} not in the trace: it holds {', '.join(profiles)}")
     try:
@@ -548,8 +547,7 @@ def main(argv=None) -> int:
         p.error(f"--constants {args.constants}: {error}")
     constants = on_cluster(constants, args.bandwidth or 0.0, args.latency or 0.0,
                            args.emulated)
-    traced = ([profile_for(profiles, s) for s in syncs if s in STRATEGIES]
-              or list(profiles.values()))
+    traced = [profile_for(profiles, s) for s in syncs]  # None: a row not modelled
     batch = args.batch_size or (None if all(p is None or p.batch for p in traced) else 32)
 
     rows = rows_for(profiles, syncs, args.ranks, args.ranks_per_host, constants,
