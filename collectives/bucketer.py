@@ -330,6 +330,8 @@ class Bucketer:
         self._last_step: Optional[tuple] = None  # (ready times, seconds, CPU): profile()
         self._pending: List[threading.Event] = []
         self._next_to_launch = 0
+        self._head = 0  # parameters at the start of that bucket with their gradients in
+        self._told = (0, 0)  # what the priority schedule last heard: (launched, head)
         self._step_started = False
         self._hooks = [param.register_post_accumulate_grad_hook(self._on_grad_ready)
                        for bucket in self.buckets for param in bucket.params]
@@ -402,8 +404,8 @@ class Bucketer:
 
     def _launch_ready_buckets(self) -> None:
         """Launch buckets in index order, as far as they are complete: each a job of the
-        comm thread, or (by priority) one job for the step that learns of each launch."""
-        launched = self._next_to_launch
+        comm thread, or (by priority) one job for the step that learns of each launch
+        and of the next bucket's gradients as they come in."""
         while (self._next_to_launch < len(self.buckets)
                and all(self.buckets[self._next_to_launch].ready)):
             if self.priority is None:
@@ -413,19 +415,37 @@ class Bucketer:
                     f"bucket {self._next_to_launch}",
                     bytes=buffer.numel() * buffer.element_size()))
             self._next_to_launch += 1
-        if self.priority is not None and self._next_to_launch > launched:
-            if self.worker.error is not None:  # it runs no more jobs: say why, not hang
-                raise self.worker.error
-            if launched == 0:  # the step's first launch
-                self._pending.append(self.worker.submit(self._reduce_by_priority,
-                                                        "buckets by priority", span=False))
-            self.priority.launched(self._next_to_launch, ready=self.worker.mark_ready())
+            self._head = 0
+        if self.priority is not None:
+            self._tell_priority()
+
+    def _tell_priority(self) -> None:
+        """Tell the schedule how far this rank's gradients are in: the buckets launched
+        and the head of the next one, as far as its gradients are in from its start
+        (priority.py reduces such a head early while the link would idle)."""
+        head = 0
+        if self._next_to_launch < len(self.buckets):
+            bucket = self.buckets[self._next_to_launch]
+            while bucket.ready[self._head]:  # the bucket's last one is not: it would launch
+                self._head += 1
+            # below the bucket's end, even when only parameters of no elements are missing
+            head = min(bucket.offsets[self._head], max(0, bucket.buffer.numel() - 1))
+        told = (self._next_to_launch, head)
+        if told == self._told:
+            return
+        if self.worker.error is not None:  # it runs no more jobs: say why, not hang
+            raise self.worker.error
+        if self._told == (0, 0):  # the step's first news
+            self._pending.append(self.worker.submit(self._reduce_by_priority,
+                                                    "buckets by priority", span=False))
+        self._told = told
+        self.priority.launched(*told, ready=self.worker.mark_ready())
 
     def _reduce_by_priority(self) -> None:
         self.priority.run_step()
         self._reduce_seconds = list(self.priority.seconds)
         self._reduce_cpu = list(self.priority.cpu)
-        # the job waits for backward's launches too: that is not communicating
+        # the job waits for backward's gradients too: that is not communicating
         self.worker.busy_seconds -= self.priority.idle_seconds
 
     def _reduce_timed(self, index: int, buffer: torch.Tensor) -> None:
@@ -474,7 +494,8 @@ class Bucketer:
         for param in params:
             index, position = self.where[id(param)]
             bucket = self.buckets[index]
-            self.priority.wait_reduced(index, bucket.offsets[position])
+            start = bucket.offsets[position]
+            self.priority.wait_reduced(index, start, start + param.numel())
             reduced.append(bucket.slot(position))
         return reduced
 
@@ -590,7 +611,8 @@ class Bucketer:
         """A reduction is done (or about to be shadowed): the next step starts afresh, its
         arrival counts and used marks too, so nothing of this step launches the next."""
         self._pending = []
-        self._next_to_launch = 0
+        self._next_to_launch = self._head = 0
+        self._told = (0, 0)
         self._step_started = False
         if self.priority is not None:
             self.priority.start_step()

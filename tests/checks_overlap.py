@@ -11,7 +11,7 @@ from collectives import DistributedDataParallel, sync
 from collectives.sync.allreduce import AllReduce
 
 # tiny buckets and chunks, so that a step has several of each (a float64 model of
-# about 1600 parameters: buckets of fc, of layer 2, of layer 1; 64-element chunks)
+# about 1600 parameters: buckets of fc, of layer 2, of layer 1; 65-element chunks)
 BUCKETS = dict(bucket_cap_mb=0.004, first_bucket_mb=0.001)
 CHUNK_MB = 0.0005
 
@@ -39,14 +39,24 @@ OPTIMIZERS = {
 }
 
 
-def train(comm, overlap, algorithm, optimizer, dtype, steps, reduce=None, device="cpu"):
+# one bucket of fc's bias, then one of everything else: its head (fc's weight, two
+# chunks) is in long before its last gradient when bn2's backward is slowed down
+HEAD_FIRST = dict(bucket_cap_mb=1, first_bucket_mb=0.00001)
+
+
+def train(comm, overlap, algorithm, optimizer, dtype, steps, reduce=None, device="cpu",
+          buckets=BUCKETS, slow_bn2=0.0):
     """`steps` steps with a cosine schedule (its learning rate changes every step);
     returns the losses, the parameters as each forward after the first saw them, the
-    final parameters and rank 0's buffers."""
+    final parameters, rank 0's buffers, how many parameters the optimizer holds state
+    for, and (overlap="forward") the chunks of the last step reduced early.
+    slow_bn2: seconds bn2's backward sleeps (gradients after it come that much later)."""
     torch.manual_seed(0)
     model = Net().to(dtype).to(device)
+    if slow_bn2:
+        model.bn2.register_full_backward_pre_hook(lambda *_: time.sleep(slow_bn2))
     strategy = (reduce or AllReduce)(algorithm=algorithm, overlap=overlap, chunk_mb=CHUNK_MB)
-    ddp = DistributedDataParallel(model, sync=strategy, comm=comm, **BUCKETS)
+    ddp = DistributedDataParallel(model, sync=strategy, comm=comm, **buckets)
     inner = OPTIMIZERS[optimizer](model.parameters())
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(inner, T_max=steps)
     stepper = ddp.step_in_forward(inner) if overlap == "forward" else inner
@@ -68,20 +78,23 @@ def train(comm, overlap, algorithm, optimizer, dtype, steps, reduce=None, device
     state = stepper.state_dict()  # forward: the last step is taken first
     final = [p.detach().clone() for p in model.parameters()]
     buffers = [b.clone() for b in model.buffers()]
+    early = 0
     if overlap == "forward":
+        early = ddp.bucketer.priority.early_chunks
         stepper.close()
     ddp.bucketer.close()
-    return losses, seen, final, buffers, len(state["state"])
+    return losses, seen, final, buffers, len(state["state"]), early
 
 
 def forward_overlap_equals_allreduce(comm, algorithm, optimizer, dtype_name, steps=6,
-                                     device="cpu"):
-    """Both schedules, the same data: (bitwise equal?, largest difference) of every
-    loss, every parameter each forward saw, the final parameters and buffers."""
+                                     device="cpu", **layout):
+    """Both schedules, the same data: (bitwise equal?, largest difference, did the
+    weights change?) of every loss, every parameter each forward saw, the final
+    parameters and buffers. layout: train()'s buckets and slow_bn2."""
     dtype = getattr(torch, dtype_name)
     torch.backends.cudnn.deterministic = True  # on a GPU: the same gradients both times
-    plain = train(comm, "backward", algorithm, optimizer, dtype, steps, device=device)
-    ahead = train(comm, "forward", algorithm, optimizer, dtype, steps, device=device)
+    plain = train(comm, "backward", algorithm, optimizer, dtype, steps, device=device, **layout)
+    ahead = train(comm, "forward", algorithm, optimizer, dtype, steps, device=device, **layout)
     assert plain[4] == ahead[4] > 0, (plain[4], ahead[4])  # optimizer state, every param
     pairs = [(torch.tensor(plain[0]), torch.tensor(ahead[0]))]
     pairs += [(a, b) for step_a, step_b in zip(plain[1], ahead[1]) for a, b in zip(step_a, step_b)]
@@ -89,7 +102,14 @@ def forward_overlap_equals_allreduce(comm, algorithm, optimizer, dtype_name, ste
     equal = all(torch.equal(a, b) for a, b in pairs)
     worst = max(float((a.double() - b.double()).abs().max()) for a, b in pairs)
     moved = not torch.equal(plain[1][0][0], plain[2][0])  # the weights did change
-    return equal, worst, moved
+    return equal, worst, moved, ahead[5]
+
+
+def heads_reduced_early_equal_allreduce(comm, algorithm, dtype_name, device="cpu"):
+    """forward_overlap_equals_allreduce with a bucket whose head is in 0.5 s before its
+    last gradient: the chunks of its head go while backward is still on bn2."""
+    return forward_overlap_equals_allreduce(comm, algorithm, "sgd", dtype_name, 4, device,
+                                            buckets=HEAD_FIRST, slow_bn2=0.5)
 
 
 class SlowAllReduce(AllReduce):
@@ -102,8 +122,8 @@ class SlowAllReduce(AllReduce):
 
 def the_first_layer_runs_before_the_last_buckets_land(comm):
     """Rank 0's view when conv1 (the first layer, in the last bucket out of backward)
-    starts its next forward: how many elements of the step were still unreduced, of
-    how many, and how many of bucket 0 (fc's, the first out of backward)."""
+    starts its next forward: each bucket's elements still unreduced and where its
+    reduced end starts, and each bucket's size."""
     torch.manual_seed(0)
     model = Net().double()
     ddp = DistributedDataParallel(model, comm=comm, **BUCKETS,
@@ -112,7 +132,8 @@ def the_first_layer_runs_before_the_last_buckets_land(comm):
     stepper = ddp.step_in_forward(torch.optim.SGD(model.parameters(), lr=0.1))
     unreduced = []
     model.conv1.register_forward_pre_hook(  # registered after the stepper's: runs after it
-        lambda module, inputs: unreduced.append(list(ddp.bucketer.priority.reduced_from)))
+        lambda module, inputs: unreduced.append((ddp.bucketer.priority.unreduced(),
+                                                  list(ddp.bucketer.priority.reduced_from))))
     x = torch.randn(4, 3, 6, 6, dtype=torch.float64)
     for _ in range(2):
         F.cross_entropy(ddp(x), torch.zeros(4, dtype=torch.int64)).backward()

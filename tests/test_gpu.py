@@ -71,5 +71,5 @@ def test_buckets_by_priority_on_the_gpu_end_where_plain_allreduce_ends():
     from distributed import run_world
     results = run_world(forward_overlap_equals_allreduce, 2,
                         ("ring", "sgd", "float64", 6, "cuda"), timeout=220)
-    for equal, worst, moved in results:
+    for equal, worst, moved, _ in results:
         assert moved and equal, worst

@@ -3,7 +3,8 @@ while the next forward starts before the last buckets have landed."""
 import pytest
 
 from checks_overlap import (a_deep_copy_of_the_model_evaluates,
-                            forward_overlap_equals_allreduce, refusals,
+                            forward_overlap_equals_allreduce,
+                            heads_reduced_early_equal_allreduce, refusals,
                             the_first_layer_runs_before_the_last_buckets_land)
 from distributed import run_world
 
@@ -17,7 +18,7 @@ def test_float64_weights_equal_plain_allreduce_bitwise_at_every_step(world_size,
     # at 2 ranks adds two numbers, which is the same in either order
     results = run_world(forward_overlap_equals_allreduce, world_size,
                         (algorithm, optimizer, "float64"), timeout=130)
-    for equal, worst, moved in results:
+    for equal, worst, moved, _ in results:
         assert moved and equal, worst
 
 
@@ -27,18 +28,28 @@ def test_float32_on_3_ranks_with_the_ring_equals_it_to_rounding():
     # summed in another order, so only the last bits may differ
     results = run_world(forward_overlap_equals_allreduce, 3, ("ring", "sgd", "float32"),
                         timeout=130)
-    for equal, worst, moved in results:
+    for equal, worst, moved, _ in results:
         assert moved and worst < 1e-5, worst
+
+
+@pytest.mark.timeout(150)
+def test_a_bucket_s_head_reduced_before_its_last_gradient_gives_the_same_weights():
+    # naive at 3 ranks sums each element in rank order: bitwise, early or not
+    results = run_world(heads_reduced_early_equal_allreduce, 3, ("naive", "float64"),
+                        timeout=130)
+    for equal, worst, moved, early in results:
+        assert moved and equal, worst
+        assert early >= 2, early  # fc's weight, 160 elements: two 65-element chunks at least
 
 
 @pytest.mark.timeout(120)
 def test_the_first_layer_is_stepped_while_the_first_buckets_are_still_on_the_wire():
     # over gloo alone (no shared memory), as across hosts
-    (unreduced, sizes), _ = run_world(the_first_layer_runs_before_the_last_buckets_land, 2,
-                                      timeout=100, shm="off")
+    ((unreduced, reduced_from), sizes), _ = run_world(
+        the_first_layer_runs_before_the_last_buckets_land, 2, timeout=100, shm="off")
     last = len(sizes) - 1
     assert len(sizes) >= 3, sizes
-    assert unreduced[last] <= sizes[last] - 224  # conv1's slots, at the end, are in
+    assert reduced_from[last] <= sizes[last] - 224  # conv1's slots, at the end, are in
     assert unreduced[0] > 0, (unreduced, sizes)  # fc's bucket, launched first, is not
 
 

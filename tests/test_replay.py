@@ -290,6 +290,17 @@ def test_chunks_go_to_the_highest_bucket_launched_first():
     assert thread.run(launches=[7.0, 7.0], sizes=[1, 2]) == [10.0, 9.0]
 
 
+def test_with_nothing_launched_left_the_next_bucket_s_head_goes_as_it_comes_in():
+    """Bucket 1's four bytes come in from 0 s to its launch at 10 s, one each 2.5 s:
+    after bucket 0, the thread reduces three of them as they come (by 3.5, 6 and 8.5 s;
+    the fourth chunk would be the whole rest) and the last at its launch, by 11 s, where
+    a bucket taken whole at its launch ends at 14 s."""
+    thread = replay_forward._CommThread(chunk=1, chunk_seconds=lambda k, nbytes: 1.0)
+    assert thread.run(launches=[0.0, 10.0], sizes=[1, 4], fills=[0.0, 0.0]) == [1.0, 11.0]
+    whole = replay_forward._CommThread(chunk=1, chunk_seconds=lambda k, nbytes: 1.0)
+    assert whole.run(launches=[0.0, 10.0], sizes=[1, 4]) == [1.0, 14.0]
+
+
 def test_forward_shares_follow_backwards_time_per_bucket():
     step = profile(buckets=[TracedBucket(0.1, 10), TracedBucket(0.4, 10), TracedBucket(0.5, 10)])
     assert replay_forward.forward_shares(step) == pytest.approx([0.2, 0.6, 0.2])
@@ -346,20 +357,23 @@ def test_a_trace_of_allreduce_answers_for_overlap_forward(tmp_path, capsys):
 def test_overlap_forward_one_step_worked_by_hand():
     """Units where a byte takes 1 ms: buckets b0 (200 B, ready 0.2 s into backward)
     and b1 (200 B, ready at 0.5 s, backward's end), chunks of 100 B, agreements of
-    10 ms, the buffer broadcast 0.1 s first. Backward starts at B: the comm thread
-    starts at B+0.2, broadcasts to B+0.3, agrees (B+0.31), b0's first chunk to B+0.41,
-    agrees, its second to B+0.52; b1 has launched: it agrees once more (the last: all
-    have launched) to B+0.53 and reduces b1's two chunks to B+0.73. The next forward
-    starts at B+0.51 (moment 10 ms), waits for b1 until B+0.73 (waited 0.22), steps
-    b1's layers (half of optimizer + writeback, 70 ms, by bytes) and runs their 60 % of
-    the forward (b1 made 60 % of backward's time), then b0's: B+0.90."""
+    10 ms, the buffer broadcast 0.1 s first. Backward starts at B, and so does the comm
+    thread (the first gradient): it broadcasts to B+0.1, when b0's head holds a chunk
+    (b0 fills from B to B+0.2); agrees (B+0.11), reduces that chunk to B+0.21; agrees
+    (b0 has launched) and reduces its rest to B+0.32; idles until b1's head holds a
+    chunk (b1 fills from B+0.2 to B+0.5: at B+0.35), agrees, reduces it to B+0.46;
+    idles until b1 launches (B+0.5), agrees (the last: all have launched) and reduces
+    its rest to B+0.61. The next forward starts at B+0.51 (moment 10 ms), waits for b1
+    until B+0.61 (waited 0.10), steps b1's layers (half of optimizer + writeback, 35
+    ms, by bytes) and runs their 60 % of the forward (b1 made 60 % of backward's time),
+    then b0's: B+0.78."""
     step = profile(forward_s=0.1, backward_s=0.5, optimizer_s=0.05, writeback_s=0.02,
                    moment_s=0.01, buckets=[TracedBucket(0.2, 200), TracedBucket(0.5, 200)])
     seconds, waited = replay_forward.simulate_forward_overlap(
         step, 1.0, chunk=100, reduce=lambda nbytes: nbytes * 1e-3, agreement=0.01,
         before=0.1)
-    assert seconds == pytest.approx(0.90)
-    assert waited == pytest.approx(0.22)
+    assert seconds == pytest.approx(0.78)
+    assert waited == pytest.approx(0.10)
     # no buckets at all: the compute, nothing waited
     assert replay_forward.simulate_forward_overlap(
         profile(), 1.0, chunk=100, reduce=lambda nbytes: 1.0) == (pytest.approx(0.65), 0.0)

@@ -363,7 +363,7 @@ def simulate(profile: TracedStep, shape: Shape, constants: Constants, scale: flo
     used: List[str] = []
     if s.overlap_forward:  # several steps, until the schedule repeats
         before = _training_thread(profile, s, shape, constants, [])  # on the comm thread here
-        agreement = COSTS["all_reduce"]["native"](8, shape, constants)  # gloo's own, 8 bytes
+        agreement = _reduce(8, "auto", shape, constants, [])  # auto's choice, 8 bytes
         costs: Dict[float, float] = {}  # chunks come in few sizes: price each once
 
         def reduce(nbytes: float) -> float:

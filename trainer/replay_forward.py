@@ -16,19 +16,26 @@ bucket's layers the share of the forward that the backward spent making that buc
 gradients (backward runs the same layers, in reverse, at about twice a forward's
 cost): bucket k's layers take forward x (ready_k - ready_{k-1}) / ready_last. Each
 layer's optimizer step and the copy of its reduced gradient (plain allreduce's
-writeback) come before its forward, shared by bytes. The communication thread runs as
-priority.py's does: the buffer broadcast as the step's first job (DDP's, at the first
-launch), then every chunk at what our `auto` would run for its bytes plus its share of
-the bucket's measured CPU work, each preceded, until every bucket has launched, by the
-small all-reduce (gloo's own) in which the ranks agree on what has.
+writeback) come before its forward, shared by bytes. The communication thread runs
+as priority.py's does: the buffer broadcast as the step's first job (DDP's, at the
+step's first gradient), then every chunk at what our `auto` would run for its bytes
+plus its share of the bucket's measured CPU work, each preceded, until every bucket
+has launched, by the small all-reduce (auto's choice for 8 bytes) in which the ranks
+agree on how far they have got. With nothing launched left, it reduces the next bucket's head as
+its gradients come in: the trace times only each bucket's launch, so a bucket's
+gradients are taken to come in at an even pace from the launch before it (the first
+from backward's start) to its own.
 
 Where it departs from the real schedule: a layer waits here for its whole bucket,
 where the real forward waits only for the chunks holding its own parameters (each
 bucket is sent from its first layers on); so the model is slower than the real
 schedule where the forward could have started on a bucket's first chunks, most where
-the step is not bound by the link. A bucket of no bytes costs no agreement of its
-own here, and the next forward waits for the buffer broadcast only through the
-buckets behind it.
+the step is not bound by the link. A real head grows a whole parameter at a time and
+never takes in the bucket's last one, so where that parameter is large (ResNet-18's
+first bucket ends with a 9 MB convolution) the model sends head chunks that the real
+schedule cannot, and its comm thread starts at backward's start, not at the first
+gradient. A bucket of no bytes costs no agreement of its own here, and the next
+forward waits for the buffer broadcast only through the buckets behind it.
 
     training thread:  [fwd: wait b2, opt b2, layers b2 | b1 .. | b0 ..] backward ..... | next
     comm thread:      .. [b1 c3][b0 c1][b0 c0]            [b0 c0 c1][b1 c0][b2 c0][b1 c1] ..
@@ -37,7 +44,7 @@ buckets behind it.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Tuple
+from typing import Callable, List, Optional, Tuple
 
 STEPS = 8  # simulated steps: enough for the schedule to repeat (it does from the second)
 
@@ -55,11 +62,13 @@ def forward_shares(profile) -> List[float]:
 
 class _CommThread:
     """The communication thread of one step (priority.PriorityReducer.run_step): at the
-    step's first launch, its first job (`before`: the buffer broadcast), then launched
-    buckets chunk by chunk, always the next chunk of the highest bucket launched (the
-    earliest layers). Until every bucket has been seen launched, each chunk is preceded
-    by the ranks' agreement on what has launched (`agreement` seconds), which sees the
-    launches before it began; when nothing agreed is left, it waits for a launch."""
+    step's first gradient, its first job (`before`: the buffer broadcast), then chunk
+    by chunk, always the next chunk of the highest bucket launched (the earliest
+    layers); with none launched left, a chunk of the next bucket's head, whose
+    gradients come in at an even pace from `fills[k]` to its launch. Until every bucket
+    has been seen launched, each chunk is preceded by the ranks' agreement on how far
+    they are (`agreement` seconds), which sees what came in before it began; when
+    nothing agreed is left, it waits for a launch or for a head's next chunk."""
 
     def __init__(self, chunk: int, chunk_seconds: Callable[[int, int], float],
                  agreement: float = 0.0, before: float = 0.0):
@@ -69,27 +78,48 @@ class _CommThread:
         self.agreement, self.before = agreement, before
         self.free_at = 0.0
 
-    def run(self, launches: List[float], sizes: List[int]) -> List[float]:
-        """When each bucket's last chunk ends, the buckets launched at `launches`."""
+    def run(self, launches: List[float], sizes: List[int],
+            fills: Optional[List[float]] = None) -> List[float]:
+        """When each bucket's last chunk ends, the buckets launched at `launches`, their
+        gradients coming in from `fills` (None: each all at its launch)."""
         n = len(sizes)
-        left = list(sizes)
+        fills = list(launches) if fills is None else fills
+        left, early = list(sizes), [0] * n
         done = [launches[k] if not sizes[k] else math.inf for k in range(n)]
         if not any(left):
             return done
-        now = max(self.free_at, min(launches)) + self.before
-        seen = -math.inf  # launches at or before this moment are agreed
+
+        def head_time(k: int) -> float:  # when a whole chunk more of k's head is in
+            if k >= n or early[k] + self.chunk >= sizes[k]:
+                return math.inf  # its launch comes first
+            return fills[k] + (early[k] + self.chunk) / sizes[k] * (launches[k] - fills[k])
+
+        def head_fits(k: int, at: float) -> bool:  # ... and k not launched yet
+            return head_time(k) <= at < launches[k]
+
+        now = max(self.free_at, min(fills)) + self.before
+        seen = -math.inf  # what came in at or before this moment is agreed
         while any(left):
+            nxt = next((k for k in range(n) if launches[k] > seen), n)  # next to launch
             if seen < math.inf:
-                if not any(left[k] and launches[k] <= now for k in range(n)):
-                    now = min(launches[k] for k in range(n) if left[k])  # idle until one
+                if (not any(left[k] and launches[k] <= now for k in range(n))
+                        and not head_fits(nxt, now)):
+                    later = [launches[k] for k in range(n) if left[k] and launches[k] > now]
+                    now = max(now, min(later + [head_time(nxt)]))  # idle until then
                 seen = now
                 now += self.agreement
                 if all(launch <= seen for launch in launches):
                     seen = math.inf  # every bucket agreed: no more agreements this step
+                nxt = next((k for k in range(n) if launches[k] > seen), n)
             waiting = [k for k in range(n) if left[k] and launches[k] <= seen]
-            assert waiting, "an agreement always sees a launched bucket with bytes left"
-            k = max(waiting)
-            piece = min(self.chunk, left[k])
+            if waiting:
+                k = max(waiting)
+                piece = min(self.chunk, left[k])
+            elif head_fits(nxt, seen):
+                k, piece = nxt, self.chunk
+                early[k] += piece
+            else:  # another rank was behind: agree again
+                continue
             now += self.chunk_seconds(k, piece)
             left[k] -= piece
             if not left[k]:
@@ -134,6 +164,7 @@ def simulate_forward_overlap(profile, scale: float, chunk: int,
             now += stepping * buckets[k].nbytes / total + forward * shares[k]
         waits.append(waited)
         launches = [now + bucket.ready_s / scale for bucket in buckets]
-        done = comm.run(launches, [bucket.nbytes for bucket in buckets])
+        fills = [now] + launches[:-1]  # each bucket fills after the one before
+        done = comm.run(launches, [bucket.nbytes for bucket in buckets], fills)
         now += backward + moment
     return starts[-1] - starts[-2], waits[-2]  # the last whole step, once it repeats

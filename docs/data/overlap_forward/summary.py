@@ -1,12 +1,14 @@
 """The table of docs/strategies.md's overlap=forward section, from run.sh's rows: per
 rate, each run's images/s of overlap=forward over ddp's and over allreduce's, their
-medians, and each variant's median waited ms and share of communication hidden."""
+medians, and each variant's median waited ms and share of communication hidden.
+    python summary.py [DIR]       (DIR: where run.sh wrote, by default this folder)"""
 import glob
 import json
 import os
 import statistics
+import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = sys.argv[1] if len(sys.argv) > 1 else os.path.dirname(os.path.abspath(__file__))
 
 
 def rows(path):
