@@ -197,18 +197,23 @@ class PriorityReducer:
         agreed = head = 0  # buckets launched on every rank; the next one's head there
         count = len(self.buffers)
         while True:
-            pending = [b for b in range(agreed) if self.reduced_from[b] > self.early_to[b]]
             if agreed < count:
-                if not pending and not self._head_chunk_fits(agreed, head):
+                if self._highest_unreduced(agreed) is None and not self._head_chunk_fits(
+                        agreed, head):
                     self._wait_for_gradients(agreed)
                 agreed, head = self._agree()
-                pending = [b for b in range(agreed) if self.reduced_from[b] > self.early_to[b]]
-            elif not pending:
+            bucket = self._highest_unreduced(agreed)
+            if bucket is not None:
+                self._reduce_next_chunk(bucket)
+            elif agreed == count:
                 return
-            if pending:
-                self._reduce_next_chunk(max(pending))
-            elif agreed < count and self._head_chunk_fits(agreed, head):
+            elif self._head_chunk_fits(agreed, head):
                 self._reduce_head_chunk(agreed)
+
+    def _highest_unreduced(self, launched: int) -> Optional[int]:
+        """The highest of the first `launched` buckets with anything unreduced, if any."""
+        return next((b for b in reversed(range(launched))
+                     if self.reduced_from[b] > self.early_to[b]), None)
 
     def _head_chunk_fits(self, bucket: int, head: int) -> bool:
         """Whether a whole chunk of `bucket`'s head, beyond what went early, is in."""

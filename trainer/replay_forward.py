@@ -99,9 +99,12 @@ class _CommThread:
 
         now = max(self.free_at, min(fills)) + self.before
         seen = -math.inf  # what came in at or before this moment is agreed
+        def next_to_launch(at: float) -> int:  # the first bucket not launched by then
+            return next((k for k in range(n) if launches[k] > at), n)
+
         while any(left):
-            nxt = next((k for k in range(n) if launches[k] > seen), n)  # next to launch
             if seen < math.inf:
+                nxt = next_to_launch(seen)
                 if (not any(left[k] and launches[k] <= now for k in range(n))
                         and not head_fits(nxt, now)):
                     later = [launches[k] for k in range(n) if left[k] and launches[k] > now]
@@ -110,7 +113,7 @@ class _CommThread:
                 now += self.agreement
                 if all(launch <= seen for launch in launches):
                     seen = math.inf  # every bucket agreed: no more agreements this step
-                nxt = next((k for k in range(n) if launches[k] > seen), n)
+            nxt = next_to_launch(seen)
             waiting = [k for k in range(n) if left[k] and launches[k] <= seen]
             if waiting:
                 k = max(waiting)
