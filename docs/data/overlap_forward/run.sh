@@ -5,11 +5,12 @@
 #     bash docs/data/overlap_forward/run.sh      (about 20 minutes; as root)
 #     STEPS=9 ROUNDS=2 OUT=docs/data/overlap_forward/rounds9 bash docs/data/overlap_forward/run.sh
 #                                                (about 30 minutes: steps 9 to a round)
+#     RATES=1gbit ...                            (one rate: about 12 minutes at 9 steps)
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-$here}
 mkdir -p "$out"
-for rate in 100mbit 1gbit; do
+for rate in ${RATES:-100mbit 1gbit}; do
     for run in 1 2 3; do
         python -m collectives.cluster --hosts 4 --bandwidth "$rate" -- \
             python -m trainer.bench --sync allreduce,allreduce:overlap=forward,ddp \
