@@ -97,14 +97,14 @@ class _CommThread:
         def head_fits(k: int, at: float) -> bool:  # ... and k not launched yet
             return head_time(k) <= at < launches[k]
 
-        now = max(self.free_at, min(fills)) + self.before
-        seen = -math.inf  # what came in at or before this moment is agreed
         def next_to_launch(at: float) -> int:  # the first bucket not launched by then
             return next((k for k in range(n) if launches[k] > at), n)
 
+        now = max(self.free_at, min(fills)) + self.before
+        seen = -math.inf  # what came in at or before this moment is agreed
         while any(left):
             if seen < math.inf:
-                nxt = next_to_launch(seen)
+                nxt = next_to_launch(now)
                 if (not any(left[k] and launches[k] <= now for k in range(n))
                         and not head_fits(nxt, now)):
                     later = [launches[k] for k in range(n) if left[k] and launches[k] > now]
@@ -113,16 +113,14 @@ class _CommThread:
                 now += self.agreement
                 if all(launch <= seen for launch in launches):
                     seen = math.inf  # every bucket agreed: no more agreements this step
-            nxt = next_to_launch(seen)
             waiting = [k for k in range(n) if left[k] and launches[k] <= seen]
             if waiting:
                 k = max(waiting)
                 piece = min(self.chunk, left[k])
-            elif head_fits(nxt, seen):
-                k, piece = nxt, self.chunk
+            else:  # the thread idled until a launch or a head's chunk: this one
+                k, piece = next_to_launch(seen), self.chunk
+                assert head_fits(k, seen), "an agreement always sees a chunk to send"
                 early[k] += piece
-            else:  # another rank was behind: agree again
-                continue
             now += self.chunk_seconds(k, piece)
             left[k] -= piece
             if not left[k]:
