@@ -10,7 +10,8 @@
   must be right where gloo is, and otherwise right or refused on every rank with one
   line; and right after each, an all-reduce on the same face must be correct (the
   communicator survived the call). A list only the root holds is refused there alone
-  (REFUSED_BY_THE_ROOT); splits that do not add up end the group (BREAKS_THE_GROUP).
+  (REFUSED_BY_THE_ROOT); splits that do not add up, refused on every rank alike, leave
+  the group usable (BREAKS_THE_GROUP is empty).
 - Splits refused on one rank alone: no rank gets a number from a stale message.
 
 Each check returns plain data; the test compares it across ranks.
@@ -86,7 +87,8 @@ def check_horovod_unnamed_stay_paired(comm):
     _refused(lambda: hvd.allreduce(torch.ones(2 + rank)), "disagree on shape")
     _three_unnamed_sums(size, "after a disagreement")
 
-    # refused in the caller, on every rank alike: no number used, and the engine lives
+    # refused in the caller, on every rank alike: a number used on every rank alike (the
+    # refusal is announced under it), and the engine lives
     _refused(lambda: hvd.alltoall(torch.tensor(5.0), splits=[1] + [0] * (size - 1)),
              "rank-zero tensor")
     _refused(lambda: hvd.allreduce(torch.ones(2), op="bogus"), "unknown reduction op")
@@ -612,10 +614,10 @@ def _root_only_cases() -> List[Case]:
 # Refused by the root alone; the others have nothing to refuse (gather) or are told
 # (scatter). gloo's others wait out the timeout, so gloo does not run them here.
 REFUSED_BY_THE_ROOT = tuple(case.name for case in _root_only_cases())
-# all_to_all_single's splits are each rank's own: one that refuses its splits cannot
-# know whether the others went ahead, so the group refuses every later call (here every
-# rank refuses alike, and so does every rank's group)
-BREAKS_THE_GROUP = ("all_to_all_single splits that do not add up",)
+# Cases that end the group. None: a refusal still takes the call's place in the group's
+# sequence (an all-reduce of nothing), so splits refused on every rank alike meet and the
+# group goes on; refused on one rank alone, the others meet it and raise at once.
+BREAKS_THE_GROUP: tuple = ()
 
 CASES = (_reduction_cases() + _layout_cases() + _argument_error_cases()
          + _shared_memory_cases() + _root_only_cases())

@@ -296,8 +296,155 @@ def check_chained_callbacks(gloo, rank, size):
     return [got, behind]
 
 
+def _shaped(rank, n, offset=0):
+    """values(rank) of n elements in a shape of this rank's own: (2, n/2), (n,) or
+    (n/2, 2), by rank."""
+    return values(rank, n, offset=offset).view([(2, n // 2), (n,), (n // 2, 2)][rank % 3])
+
+
+def check_same_count_other_shapes(gloo, rank, size):
+    """Each rank's tensors hold the same count in a shape of its own ((2, 3), (6,),
+    (3, 2)): gloo moves bytes and never compares shapes, so every collective gives its
+    value, and so does ours (it used to refuse: "ranks disagree ... shape=(2, 3) ...
+    shape=(6,)", and the group was dead after)."""
+    total = sum(values(r, 6) for r in range(size))
+    ours = _shaped(rank, 6)
+    dist.all_reduce(ours)
+    same(ours.reshape(-1), total, "all_reduce")
+    if gloo is not None:  # gloo takes them too, with the same sum
+        ref = _shaped(rank, 6)
+        dist.all_reduce(ref, group=gloo)
+        same(ours, ref, "all_reduce on gloo")
+    ours = _shaped(rank, 6)
+    dist.all_reduce(ours, op=dist.ReduceOp.MAX, async_op=True).wait()
+    same(ours.reshape(-1), values(size - 1, 6), "all_reduce max, async")
+    ours = _shaped(rank, 6)
+    dist.reduce(ours, 0)
+    if rank == 0:
+        same(ours.reshape(-1), total, "reduce")
+    ours = _shaped(rank, 6)
+    dist.broadcast(ours, size - 1)
+    same(ours.reshape(-1), values(size - 1, 6), "broadcast")
+    gathered = [torch.empty_like(_shaped(rank, 6)) for _ in range(size)]
+    dist.all_gather(gathered, _shaped(rank, 6))
+    same([t.reshape(-1) for t in gathered], [values(r, 6) for r in range(size)], "all_gather")
+    into = torch.empty((size,) + tuple(_shaped(rank, 6).shape))
+    dist.all_gather_into_tensor(into, _shaped(rank, 6))
+    same(into.reshape(-1), torch.cat([values(r, 6) for r in range(size)]),
+         "all_gather_into_tensor")
+    share = torch.empty_like(_shaped(rank, 6))
+    dist.reduce_scatter_tensor(share, _shaped(rank, 6 * size))
+    summed = sum(values(r, 6 * size) for r in range(size))
+    same(share.reshape(-1), summed[rank * 6:(rank + 1) * 6], "reduce_scatter_tensor")
+    sent = values(rank, 6 * size).view([(size * 2, 3), (size * 6,), (size * 3, 2)][rank % 3])
+    got = torch.empty_like(sent)
+    dist.all_to_all_single(got, sent)
+    same(got.reshape(-1), torch.cat([values(p, 6 * size)[rank * 6:(rank + 1) * 6]
+                                     for p in range(size)]), "all_to_all_single")
+    ones = torch.ones(2)
+    dist.all_reduce(ones)  # and the group goes on
+    same(ones, torch.full((2,), float(size)), "the all_reduce after")
+    return [total, got]
+
+
+def _raised(call) -> str:
+    """What call() raised, in one line ("returned" if nothing)."""
+    try:
+        call()
+    except (RuntimeError, ValueError, TypeError) as error:
+        assert "\n" not in str(error).strip(), f"more than one line: {error}"
+        return f"{type(error).__name__}: {error}"
+    return "returned"
+
+
+def _still_sums(group, size, what):
+    ones = torch.ones(2)
+    dist.all_reduce(ones, group=group)
+    same(ones, torch.full((2,), float(size)), f"the all_reduce after {what}")
+
+
+def check_refusals_leave_the_ranks_in_step(gloo, rank, size):
+    """A call refused on the caller's thread is one line, and the group goes on where
+    every rank refused alike (an all_to_all whose outputs cannot hold what comes, which
+    used to fail on the worker with torch's "The size of tensor a (12) must match ..."
+    and end the group; all_to_all_single splits that do not add up, which ended it too).
+    Refused on one rank alone, the call still takes its place in the group's sequence:
+    a scatter output refused on the last rank takes the root's piece into scratch and
+    the group goes on; an all_gather refused on rank 0 alone meets the others'
+    all_gather, which raise at once, naming it, and rank 0's retry does not pair with
+    their first (it used to, and took their first call's values)."""
+    group = dist.new_group(list(range(size)))
+    raised = _raised(lambda: dist.all_to_all(
+        [torch.zeros(12) for _ in range(size)], [torch.ones(6) for _ in range(size)],
+        group=group, async_op=True))
+    assert raised.startswith("ValueError: all_to_all: this rank's own piece"), raised
+    raised = _raised(lambda: dist.all_to_all_single(
+        torch.zeros(size), torch.ones(size), [1] * size, [2] + [1] * (size - 1), group=group))
+    assert raised.startswith("ValueError: all_to_all_single: splits"), raised
+    _still_sums(group, size, "refusals on every rank")
+
+    shared = rank == size - 1  # this rank's output holds one element for four
+    piece = torch.zeros(1).expand(4) if shared else torch.zeros(4)
+    raised = _raised(lambda: dist.scatter(
+        piece, [torch.full((4,), float(p)) for p in range(size)] if rank == 0 else None,
+        src=0, group=group))
+    if shared:
+        assert raised.startswith("ValueError: scatter: elements of this output share"), raised
+    else:
+        assert raised == "returned", raised
+        same(piece, torch.full((4,), float(rank)), "scatter beside a rank that refused")
+    _still_sums(group, size, "a scatter refused on one rank")
+
+    lone = dist.new_group(list(range(size)))  # rank 0 alone refuses: this group ends
+    started, outcomes = time.monotonic(), []
+    for attempt in range(2):
+        short = rank == 0 and attempt == 0
+        outputs = [torch.zeros(2) for _ in range(size - short)]
+        outcomes.append(_raised(lambda: dist.all_gather(
+            outputs, torch.full((2,), 10.0 * attempt + rank), group=lone)))
+    if rank == 0:
+        assert outcomes[0].startswith("ValueError: all_gather: output list"), outcomes
+    else:
+        assert "ranks disagree" in outcomes[0] and "numel=0" in outcomes[0], outcomes
+    assert "an earlier operation of this process group failed" in outcomes[1], outcomes
+    assert time.monotonic() - started < 30, "the others waited for a timeout"
+    dist.barrier()  # the default group is unharmed
+    return [piece]
+
+
+def check_integer_average_rounds_toward_zero(gloo, rank, size):
+    """ReduceOp.AVG of integers: gloo refuses it; NCCL's rounds toward zero (C's
+    division), and so does ours: -4 and 0 (and 0) average to -1 where // gives -2;
+    without NCCL's overflow (int8 100s average to 100, int64 near its bottom exactly)."""
+    mine = torch.tensor([-3, 3, -4, 5, -1, 7, -7]) if rank == 0 else torch.zeros(7)
+    expected = torch.div(torch.tensor([-3, 3, -4, 5, -1, 7, -7]), size, rounding_mode="trunc")
+    out = []
+    for dtype in (torch.int8, torch.int16, torch.int32, torch.int64):
+        ours = mine.to(dtype, copy=True)
+        dist.all_reduce(ours, op=dist.ReduceOp.AVG)
+        same(ours, expected.to(dtype), f"all_reduce avg {dtype}")
+        out.append(ours)
+    near_top = torch.full((3,), 100, dtype=torch.int8)
+    dist.all_reduce(near_top, op=dist.ReduceOp.AVG)
+    same(near_top, torch.full((3,), 100, dtype=torch.int8), "all_reduce avg int8 near its top")
+    bottom = torch.tensor([-2 ** 62 - rank], dtype=torch.int64)  # the sum passes -2^63
+    dist.all_reduce(bottom, op=dist.ReduceOp.AVG)
+    exact = (sum(-2 ** 62 - r for r in range(size)))
+    same(bottom, torch.tensor([-(-exact // size)]), "all_reduce avg int64 at its bottom")
+    share = torch.empty(2, dtype=torch.int32)
+    given = torch.full((2 * size,), -3 if rank == 0 else 0, dtype=torch.int32)
+    dist.reduce_scatter_tensor(share, given, op=dist.ReduceOp.AVG)
+    same(share, torch.full((2,), int(-3 / size), dtype=torch.int32), "reduce_scatter avg")
+    coalesced = [mine.to(torch.int16), mine[:3].to(torch.int16)]
+    dist.all_reduce_coalesced(coalesced, op=dist.ReduceOp.AVG)
+    same(coalesced, [expected.to(torch.int16), expected[:3].to(torch.int16)],
+         "all_reduce_coalesced avg")
+    return out + [share]
+
+
 CHECKS = [check_reductions, check_movement, check_point_to_point, check_subgroups,
-          check_disagreement, check_chained_callbacks]
+          check_disagreement, check_chained_callbacks, check_same_count_other_shapes,
+          check_refusals_leave_the_ranks_in_step, check_integer_average_rounds_toward_zero]
 
 
 # --- torch's DDP, ZeRO and FSDP2 on ours and on gloo ---------------------------------------

@@ -8,7 +8,9 @@ mpirun); each rank prints `ok CHECK RANK DIGEST` after comparing with gloo itsel
 import re
 import signal
 import subprocess
+import threading
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -16,7 +18,8 @@ from launchers import TESTS, mpirun, python, rank_env, run, torchrun
 from ports import free_port
 
 CHECKS = ("check_reductions", "check_movement", "check_point_to_point", "check_subgroups",
-          "check_disagreement", "check_chained_callbacks")
+          "check_disagreement", "check_chained_callbacks", "check_same_count_other_shapes",
+          "check_refusals_leave_the_ranks_in_step", "check_integer_average_rounds_toward_zero")
 TRAININGS = ("ddp", "ddp-fp16-hook", "ddp-bucket-view", "ddp-static-graph", "ddp-powersgd",
              "ddp-bf16-powersgd", "ddp-post-local-sgd",
              "ddp-powersgd-buckets", "zero", "fsdp2")
@@ -53,7 +56,10 @@ def test_every_collective_matches_gloo_on_three_ranks():
     """Each collective and form (ops, dtypes, roots, lists and tensors, uneven
     all_to_all, async Work and future, tags, batch_isend_irecv, subgroups, objects,
     barriers) equals gloo; reduce_scatter leaves its input; mismatched calls raise on
-    every rank and break only their own group; nothing runs after destroy."""
+    every rank and break only their own group; nothing runs after destroy. Tensors of
+    one count in other shapes on each rank give gloo's values; refusals leave the group
+    working where every rank refused, and in step where one did; integer avg rounds
+    toward zero, as NCCL's."""
     digests(under_torchrun(3, "collectives"), CHECKS, 3)
 
 
@@ -79,6 +85,44 @@ def test_two_ranks_train_as_on_gloo_and_the_mpi_route_computes_the_same():
 def test_three_ranks_train_as_on_gloo():
     """The same trainings on 3 ranks, within float rounding of another summation order."""
     replicas_agree(digests(under_torchrun(3, "training"), TRAININGS, 3), 3)
+
+
+@pytest.mark.timeout(30)
+def test_jobs_run_in_the_order_they_were_admitted():
+    """A blocking call admitted first (nothing pending: it runs on its caller's thread)
+    runs first, even where its thread is held up between being admitted and running
+    while another thread's call, admitted after it, reaches the worker: on each rank a
+    different order would pair the ranks' calls wrongly. (The caller's thread used to
+    take the running lock only after letting the admission lock go, and the worker ran
+    the later call first.)"""
+    from collectives.torch_backend.work import Worker
+    order, took_second, second_started = [], threading.Event(), threading.Event()
+
+    class HeldUp(Worker):
+        def _execute(self, work, run):
+            if work.describe() == "first":  # the caller's thread, admitted, held up
+                took_second.wait(10)
+                second_started.wait(0.5)   # time enough for the worker to start it
+            elif work.describe() == "second":
+                took_second.set()
+            super()._execute(work, run)
+
+    def second():
+        second_started.set()
+        order.append("second")
+
+    worker = HeldUp("order", timedelta(seconds=30))
+    caller = threading.Thread(target=worker.submit, args=(
+        "first", lambda: order.append("first"), []), kwargs={"inline": True})
+    caller.start()
+    deadline = time.monotonic() + 10
+    while worker.pending == 0 and time.monotonic() < deadline:  # "first" admitted
+        time.sleep(0.001)
+    queued = worker.submit("second", second, [])
+    caller.join(10)
+    queued.wait()
+    worker.stop()
+    assert order == ["first", "second"], order
 
 
 def test_without_the_opt_in_mpi_says_how():

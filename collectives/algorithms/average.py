@@ -39,6 +39,13 @@ quotients and R of the remainders. Q itself can step past int64's range by at mo
 (e.g. n = 3 ranks at -2**63), but int64 addition wraps modulo 2**64 and the final value
 lies within range, so it comes out exact all the same.
 
+NCCL and Horovod round an integer average toward zero instead (-3 and -4 average to
+-3; -3 and 0 to -1, where // gives -2), and so do the faces that stand in for them (the
+torch.distributed backend, collectives/horovod). `toward_zero` turns the average
+rounded down into that one: the two differ, by one, exactly where the sum is negative
+and not a multiple of n, and the sum's remainder mod n is the sum of each rank's x mod n
+taken mod n, which those residues (each in [0, n)) carry without overflow.
+
 Every algorithm (ring, tree, native, ...) only ever sums here, in place, on whatever
 buffer it is given; the caller passes `sum_in_place(buffer)`, which runs it.
 """
@@ -90,3 +97,17 @@ def _average_int64(flat: torch.Tensor, n: int, sum_in_place: SumInPlace) -> None
     sum_in_place(pairs)
     quotients, remainders = pairs.view(-1, 2).unbind(1)
     torch.add(quotients, remainders.div(n, rounding_mode="floor"), out=flat)
+
+
+def toward_zero(average_rounded_down: torch.Tensor, residue_sums: torch.Tensor,
+                world_size: int) -> None:
+    """Round an integer average toward zero, in place, as NCCL's and Horovod's avg do.
+
+    average_rounded_down: floor(sum / n), what average() gives; residue_sums: the sum
+    over ranks of each element's x mod n (in [0, n)), which is the sum mod n once taken
+    mod n. Where the average is negative and the sum is not a multiple of n, floor and
+    truncation differ by one: that element moves up by one (never past its dtype's
+    range: it moves toward zero)."""
+    inexact = residue_sums.remainder(world_size) != 0
+    average_rounded_down.add_(((average_rounded_down < 0) & inexact)
+                              .to(average_rounded_down.dtype))

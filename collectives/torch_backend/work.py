@@ -13,6 +13,11 @@ caller's own thread when nothing of the group is queued or running: the result i
 same, and it saves the hand-over to the worker and back, which costs most on a
 machine whose cores are all busy.
 
+Jobs run in the order they were admitted (`Worker.submit` takes them in turn), on this
+thread or the caller's. Collectives issued from several threads of one rank at once run
+in whatever order those threads reached the group, as on gloo: a program that issues
+them so must itself make that order the same on every rank.
+
 Callbacks chained on a Work's future (`get_future().then(...)`) run on the thread that
 finishes the Work: the worker. torch's PowerSGD hook (and any hook that chains
 collectives) issues the next all-reduce from inside such a callback and waits for it:
@@ -152,13 +157,23 @@ class Worker:
             raise RuntimeError(f"{what}: the process group was destroyed")
         nested = self.running_here()
         with self.lock:
-            here = nested or (inline and self.pending == 0)
+            # Run here only holding `running`, taken before `lock` is let go: a job
+            # admitted after this one, by another thread, then waits for it on the
+            # worker. (Taken after, the worker could run that later job first.) Taken
+            # only where nothing is running: pending can read 0 while the worker, its
+            # count already lowered, still holds it; then this job queues behind.
+            here = nested or (inline and self.pending == 0
+                              and self.running.acquire(blocking=False))
             self.pending += 1
             work = Work(what, outputs, self.timeout, queued=not here, worker=self)
             if not here:
                 self.jobs.put((work, run))
         if here:
-            self._execute(work, run)
+            try:
+                self._execute(work, run)
+            finally:
+                if not nested:
+                    self.running.release()
         return work
 
     def _run(self) -> None:
