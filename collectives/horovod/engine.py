@@ -48,7 +48,18 @@ error that concerns one collective (the ranks disagree on it, a named one stalle
 the timeout, it cannot run while a rank is joined) fails that collective only, on every
 rank that submitted it, and the next one runs as usual.
 
-Unnamed collectives never pair different calls. Two things keep every rank's n in step:
+Unnamed collectives never pair different calls. Three things keep every rank's n in step:
+- a call refused in the caller (ops.py checks its arguments there) is announced all
+  the same, under the name it would have had (`refuse`): some of a call's arguments are
+  each rank's own (alltoall's splits, a tensor's dtype), so one rank may refuse a call
+  its peers have made rightly and already submitted. Dropped there, the rank's next
+  call would take the refused one's number and pair with the peers' refused call (they
+  would get its rows, and every later call would be one off); announced, the table
+  fails that call on every rank, naming the rank and why (negotiation.refusal), and the
+  next call is the next one everywhere. The caller raises its own error at once; the
+  name stays taken until the table settles it, and a later call under the same name
+  waits for that. (Horovod refuses such a call before its coordinator hears of it, and
+  its peers wait for it until the stall timeout: one rank's bad splits stop the job.)
 - what the table decides about an unnamed name (it ran, with joined ranks standing in;
   it was refused because a rank is joined; the ranks disagreed on it) counts on every
   rank, submitter or not (`_count_unnamed`): a rank that was joined meanwhile then
@@ -73,6 +84,7 @@ ProcessSet objects are left without an id.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -176,11 +188,14 @@ class Engine:
         self.cycle_seconds = _env_number("HOROVOD_CYCLE_TIME", CYCLE_MS) / 1000.0
 
         self._lock = threading.Lock()
+        # notified when a refused call is settled (or the engine stops)
+        self._settled = threading.Condition(self._lock)
         self._wakeup = threading.Event()      # set by each submission
         self._handles = itertools.count(1)    # handle numbers
         self._next_unnamed: Dict[int, int] = {}  # process set -> its next <n> of noname.<n>
         self.handles: Dict[int, Handle] = {}
         self.names_in_flight: set = set()
+        self._refused: Dict[str, Handle] = {}  # refused here, not yet settled by the table
         self._queued: List[Request] = []      # submitted, not yet announced
         self._announced: Dict[str, Request] = {}  # announced, waiting to be ready
         self._join: Optional[Handle] = None   # join() in progress
@@ -199,13 +214,9 @@ class Engine:
         synchronize() returns run's result, or then(result)."""
         with self._lock:
             number = next(self._handles)
-            if name is None:  # counted even if refused below, as Horovod counts
-                count = self._next_unnamed.get(meta.process_set, 1)
-                self._next_unnamed[meta.process_set] = count + 1
-                name = f"noname.{count}"
+            full = self._name_of_a_new_call(kind, name, meta.process_set)
             if self.stopped is not None:
                 raise HorovodInternalError(self.stopped)
-            full = scoped(f"{kind}.{name}", meta.process_set)
             if full in self.names_in_flight:
                 raise ValueError(f"an operation named {full!r} is already in flight: "
                                  "synchronize it before reusing the name")
@@ -214,6 +225,49 @@ class Engine:
             self._queued.append(Request(full, meta, run, handle))
         self._wakeup.set()
         return number
+
+    @contextlib.contextmanager
+    def refusing(self, kind: str, name: Optional[str], process_set: int = 0):
+        """Around the checks of one call's arguments, on the caller's thread: what they
+        refuse (TypeError, ValueError, NotImplementedError) is announced (`refuse`)
+        before it reaches the caller, so that the call fails on every rank and the next
+        calls pair (see the top). Only the checks go inside: a call submitted is no
+        longer refused in the caller."""
+        try:
+            yield
+        except (TypeError, ValueError, NotImplementedError) as error:
+            self.refuse(kind, name, process_set, str(error))
+            raise
+
+    def refuse(self, kind: str, name: Optional[str], process_set: int, why: str) -> None:
+        """Announce a call this rank refused in its caller, under the name it would have
+        had (an unnamed one uses up its number), its Meta saying `why`: the table fails
+        that name on every rank that submits it (negotiation.refusal). Nothing here
+        waits for it; the name stays taken until the table has settled it. Not
+        announced: a name that this rank's earlier call, in flight, holds (the peers'
+        calls pair with that one), or anything once the engine has stopped."""
+        meta = Meta(kind.replace("grouped_", ""), process_set=process_set, refused=why)
+        with self._lock:
+            full = self._name_of_a_new_call(kind, name, process_set)
+            if self.stopped is not None or full in self.names_in_flight:
+                return
+            self.names_in_flight.add(full)
+            handle = self._refused[full] = Handle(full)
+            self._queued.append(Request(full, meta, _never_run, handle))
+        self._wakeup.set()
+
+    def _name_of_a_new_call(self, kind: str, name: Optional[str], process_set: int) -> str:
+        """The table's name for a call being submitted or refused (the lock held):
+        `kind.name`, or `kind.noname.<n>`, n counting in the process set (counted even
+        if the call is refused, as Horovod counts), scoped to the set. A refusal still
+        being settled under that name was an earlier call: wait until it is."""
+        if name is None:
+            count = self._next_unnamed.get(process_set, 1)
+            self._next_unnamed[process_set] = count + 1
+            name = f"noname.{count}"
+        full = scoped(f"{kind}.{name}", process_set)
+        self._settled.wait_for(lambda: full not in self._refused or self.stopped is not None)
+        return full
 
     def submit_join(self) -> int:
         """This rank has no more collectives of its own: announce it, and stand in for
@@ -272,6 +326,9 @@ class Engine:
             if self._join is not None:
                 waiting.append(self._join)
             self._queued, self._announced, self._join = [], {}, None
+            self.names_in_flight.difference_update(self._refused)
+            self._refused.clear()
+            self._settled.notify_all()
         for handle in waiting:
             handle.fail(HorovodInternalError(reason))
 
@@ -374,6 +431,10 @@ class Engine:
             self._count_unnamed(name)
             with self._lock:
                 request = self._announced.pop(name, None)
+                if request is not None and request.meta.refused is not None:
+                    self._refused.pop(name, None)  # settled: the name is free again
+                    self.names_in_flight.discard(name)
+                    self._settled.notify_all()
             if request is not None:
                 request.handle.fail(HorovodInternalError(why))
 
@@ -420,6 +481,11 @@ class Engine:
                 handle, self._join = self._join, None
             if handle is not None:
                 handle.fail(HorovodInternalError(outcome.join_failed[1]))
+
+
+def _never_run(metas: Dict[int, Meta], comm: Transport) -> Any:
+    """The run of a refused call: the table fails a refused name, it never runs it."""
+    raise AssertionError("a refused call was found ready")
 
 
 # --- one engine per communicator ----------------------------------------------------------

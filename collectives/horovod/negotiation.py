@@ -28,7 +28,16 @@ A name is ready when every rank has announced it, or, for an allreduce (and a ba
 every rank that has not called join(): joined ranks take part with zeros, as in
 Horovod. When a name is ready its Metas are checked against each other: the same name
 with different arguments (shape, dtype, op, root, ...) is an error on every rank that
-submitted it, naming two of them, and the engine goes on with the next name.
+submitted it, naming two of them, and the engine goes on with the next name. Allreduce,
+broadcast and reducescatter want the same shape on every rank, not only the same count,
+as Horovod's coordinator does ("Mismatched ... tensor shapes"); allgather and alltoall
+the same shape past the first dimension.
+
+A call that one rank refused in its caller, for arguments only that rank holds
+(alltoall's splits, its tensor's dtype), is announced all the same, its Meta saying
+why (engine.py, Engine.refuse). Once every rank has submitted the name it fails on all
+of them, naming that rank and its reason (`refusal`), as Horovod's coordinator turns
+one rank's bad request into an error for every rank; the next names pair as before.
 
 Unnamed collectives get Horovod's names, `allreduce.noname.<n>`, n counting the unnamed
 collectives this process has submitted (engine.py): ranks that make the same unnamed
@@ -94,6 +103,7 @@ class Meta:
     splits: Optional[Tuple[int, ...]] = None  # alltoall: rows this rank sends to each rank
     process_set: int = 0                      # the process set it runs in (0: every rank)
     members: Tuple[int, ...] = ()             # add/remove_process_set: the set's ranks
+    refused: Optional[str] = None             # why this rank refused the call in its caller
 
     @classmethod
     def of(cls, kind: str, tensors: Sequence[torch.Tensor] = (), **fields) -> "Meta":
@@ -184,6 +194,19 @@ def disagreement(name: str, metas: Dict[int, Meta]) -> Optional[str]:
     return None
 
 
+def refusal(name: str, metas: Dict[int, Meta]) -> Optional[str]:
+    """The error every submitting rank gets when some rank refused the call in its
+    caller (its own arguments, which no other rank sees, were wrong there); None when
+    no rank did. The other ranks' arguments may be right: the call fails anyway, on
+    every rank, so that every rank's next call is the same call."""
+    refused = [rank for rank in sorted(metas) if metas[rank].refused is not None]
+    if not refused:
+        return None
+    also = f" (and on rank(s) {refused[1:]})" if refused[1:] else ""
+    return (f"{name}: refused on rank {refused[0]}{also}, so it fails on every rank: "
+            f"{metas[refused[0]].refused}")
+
+
 @dataclass
 class Message:
     """One rank's announcement in one cycle (pickled and all-gathered by the engine)."""
@@ -259,7 +282,7 @@ class Table:
                 continue
             del self.entries[name]
             meta = next(iter(entry.metas.values()))
-            why = disagreement(name, entry.metas)
+            why = refusal(name, entry.metas) or disagreement(name, entry.metas)
             if why is None and meta.process_set not in self.sets:
                 why = (f"{name}: process set {meta.process_set} was removed before every "
                        "rank of it submitted this")

@@ -3,8 +3,13 @@ grouped, in-place and async forms, sparse allreduce), each submitted to the engi
 (engine.py) under its name with a Meta (negotiation.py), and run by our algorithms
 (runs.py) once every rank has submitted that name.
 
-Arguments are checked when a collective is submitted, so that nothing can fail on one
-rank alone once the ranks have agreed to run it (its peers would wait inside it).
+Arguments are checked when a collective is submitted (`_checked`, `_check_splits`), so
+that nothing can fail on one rank alone once the ranks have agreed to run it (its peers
+would wait inside it). What the checks refuse is announced under the call's name all
+the same (engine.Engine.refusing): some arguments are each rank's own (alltoall's
+splits, a tensor's dtype), and a call refused on one rank alone then fails on every
+rank, with a line naming that rank and why, instead of leaving its peers' calls to
+pair with that rank's next one. The rank that refused raises its own error at once.
 
 The synchronous forms are differentiable, with the gradients current Horovod computes:
 of an allreduce, the same allreduce of the gradient; of an allgather, this rank's rows
@@ -45,6 +50,29 @@ def reduce_op(average: Optional[bool], op: Optional[str]) -> str:
     return op
 
 
+REDUCTIONS = ("allreduce", "grouped_allreduce", "reducescatter", "grouped_reducescatter")
+
+
+def _checked(kind: str, name, where: Scope, tensors, average=None, op=None,
+             root_rank=None) -> Optional[str]:
+    """Check one call's arguments on the caller's thread: each tensor (_check), a
+    reduction's (average, op), a reducescatter's first dimension, a broadcast's root.
+    Returns the reduction op (None for the others). A refusal is announced under the
+    call's name before it is raised here (engine.Engine.refusing): the call fails on
+    every rank, and the next calls pair as before."""
+    with engine().refusing(kind, name, where.id):
+        reduce = reduce_op(average, op) if kind in REDUCTIONS else None
+        for tensor in tensors:
+            _check(tensor, kind)
+            if kind.endswith("reducescatter") and tensor.dim() == 0:
+                raise ValueError(f"{kind}: a scalar has no first dimension to scatter")
+        if kind == "broadcast" and (not isinstance(root_rank, int)
+                                    or root_rank not in where.ranks):
+            raise ValueError(f"broadcast: root_rank {root_rank!r} is not a rank of the "
+                             f"process set (ranks {list(where.ranks)})")
+        return reduce
+
+
 def _check(tensor, what: str) -> torch.Tensor:
     """A tensor the collectives can move, or a clear error now (not on one rank later)."""
     if not isinstance(tensor, torch.Tensor):
@@ -63,7 +91,10 @@ def _check(tensor, what: str) -> torch.Tensor:
 # --- submitting ---------------------------------------------------------------------------
 # Each returns a handle number; `then` turns the engine's result into what
 # synchronize(handle) returns (the caller's own tensor for the in-place forms). `where`
-# is the Scope (process_sets.py) the collective runs in.
+# is the Scope (process_sets.py) the collective runs in. The public functions have
+# checked the arguments (_checked); the tensors are checked again here for the callers
+# that come straight here (DistributedOptimizer, the backward passes), whose tensors
+# are their own.
 def _submit_allreduce(tensors, op, prescale, postscale, name, where: Scope,
                       algorithm="auto", kind="allreduce", then=None) -> int:
     """Reduce `tensors` (this rank's, in place) under `name`."""
@@ -88,9 +119,6 @@ def _submit_allgather(tensors, name, where: Scope, kind="allgather", then=None) 
 def _submit_broadcast(tensor, root_rank, name, where: Scope, then=None) -> int:
     """Broadcast from root_rank, a rank of the job (as in Horovod) that is in the set."""
     _check(tensor, "broadcast")
-    if not isinstance(root_rank, int) or root_rank not in where.ranks:
-        raise ValueError(f"broadcast: root_rank {root_rank!r} is not a rank of the process "
-                         f"set (ranks {list(where.ranks)})")
     meta = Meta.of("broadcast", [tensor], root=root_rank, process_set=where.id)
     return engine().submit("broadcast", name, meta,
                            broadcast_run(tensor, where.ranks.index(root_rank)), then)
@@ -107,8 +135,6 @@ def _submit_reducescatter(tensors, op, prescale, postscale, name, where: Scope,
                           kind="reducescatter", then=None) -> int:
     """The result: this rank's rows of each tensor's reduction."""
     tensors = [_check(t, kind).detach().contiguous() for t in tensors]
-    if any(t.dim() == 0 for t in tensors):
-        raise ValueError(f"{kind}: a scalar has no first dimension to scatter")
     meta = Meta.of("reducescatter", tensors, op=op, prescale=prescale, postscale=postscale,
                    process_set=where.id)
     return engine().submit(kind, name, meta,
@@ -259,7 +285,8 @@ class _Reducescatter(torch.autograd.Function):
 def allreduce(tensor, average=None, name=None, compression=None, op=None,
               prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set):
     """The reduction of `tensor` over ranks, as a new tensor (Average by default)."""
-    where, reduce = scope(process_set), reduce_op(average, op)
+    where = scope(process_set)
+    reduce = _checked("allreduce", name, where, [tensor], average, op)
     if compression is None:
         return _Allreduce.apply(tensor, reduce, prescale_factor, postscale_factor, name, where)
     sent, ctx = compression.compress(tensor)
@@ -278,23 +305,28 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                     postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start reducing a copy of `tensor`; synchronize(handle) returns the result."""
-    return allreduce_async_(_check(tensor, "allreduce").detach().clone(), average, name, op,
-                            prescale_factor, postscale_factor, process_set)
+    where = scope(process_set)
+    reduce = _checked("allreduce", name, where, [tensor], average, op)
+    copy = tensor.detach().clone()
+    return _submit_allreduce([copy], reduce, prescale_factor, postscale_factor, name, where,
+                             then=lambda _: copy)
 
 
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0,
                      postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start reducing `tensor` in place; synchronize(handle) returns it."""
-    return _submit_allreduce([tensor.detach()], reduce_op(average, op), prescale_factor,
-                             postscale_factor, name, scope(process_set),
-                             then=lambda _: tensor)
+    where = scope(process_set)
+    reduce = _checked("allreduce", name, where, [tensor], average, op)
+    return _submit_allreduce([tensor.detach()], reduce, prescale_factor, postscale_factor,
+                             name, where, then=lambda _: tensor)
 
 
 def grouped_allreduce(tensors, average=None, name=None, compression=None, op=None,
                       prescale_factor=1.0, postscale_factor=1.0,
                       process_set=global_process_set):
     """Reduce a list of tensors together (one fused buffer per dtype); new tensors."""
-    where, reduce = scope(process_set), reduce_op(average, op)
+    tensors, where = list(tensors), scope(process_set)
+    reduce = _checked("grouped_allreduce", name, where, tensors, average, op)
     if compression is None:
         return list(_GroupedAllreduce.apply(reduce, prescale_factor, postscale_factor, name,
                                             where, *tensors))
@@ -312,42 +344,55 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> int:
-    return grouped_allreduce_async_([_check(t, "grouped_allreduce").detach().clone()
-                                     for t in tensors], average, name, op,
-                                    prescale_factor, postscale_factor, process_set)
+    tensors, where = list(tensors), scope(process_set)
+    reduce = _checked("grouped_allreduce", name, where, tensors, average, op)
+    copies = [t.detach().clone() for t in tensors]
+    return _submit_allreduce(copies, reduce, prescale_factor, postscale_factor, name, where,
+                             kind="grouped_allreduce", then=lambda _: copies)
 
 
 def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                              postscale_factor=1.0, process_set=global_process_set) -> int:
-    tensors = list(tensors)
-    return _submit_allreduce([t.detach() for t in tensors], reduce_op(average, op),
-                             prescale_factor, postscale_factor, name, scope(process_set),
-                             kind="grouped_allreduce", then=lambda _: tensors)
+    tensors, where = list(tensors), scope(process_set)
+    reduce = _checked("grouped_allreduce", name, where, tensors, average, op)
+    return _submit_allreduce([t.detach() for t in tensors], reduce, prescale_factor,
+                             postscale_factor, name, where, kind="grouped_allreduce",
+                             then=lambda _: tensors)
 
 
 def allgather(tensor, name=None, process_set=global_process_set):
     """Every rank's tensor, concatenated along the first dimension (which may differ)."""
-    return _Allgather.apply(tensor, name, scope(process_set))
+    where = scope(process_set)
+    _checked("allgather", name, where, [tensor])
+    return _Allgather.apply(tensor, name, where)
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
-    return _submit_allgather([tensor], name, scope(process_set), then=_gathered_tensor)
+    where = scope(process_set)
+    _checked("allgather", name, where, [tensor])
+    return _submit_allgather([tensor], name, where, then=_gathered_tensor)
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set):
     """Several allgathers negotiated as one, under one name; differentiable."""
-    return list(_GroupedAllgather.apply(name, scope(process_set), *tensors))
+    tensors, where = list(tensors), scope(process_set)
+    _checked("grouped_allgather", name, where, tensors)
+    return list(_GroupedAllgather.apply(name, where, *tensors))
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
-    return _submit_allgather(list(tensors), name, scope(process_set), "grouped_allgather",
+    tensors, where = list(tensors), scope(process_set)
+    _checked("grouped_allgather", name, where, tensors)
+    return _submit_allgather(tensors, name, where, "grouped_allgather",
                              then=lambda results: [gathered for gathered, _ in results])
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set):
     """Rank root_rank's tensor, as a new tensor on every rank (root_rank is a rank of
     the job, hvd.rank(), also in a process set)."""
-    return _Broadcast.apply(tensor, root_rank, name, scope(process_set))
+    where = scope(process_set)
+    _checked("broadcast", name, where, [tensor], root_rank=root_rank)
+    return _Broadcast.apply(tensor, root_rank, name, where)
 
 
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
@@ -356,13 +401,16 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set):
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    return broadcast_async_(_check(tensor, "broadcast").detach().clone(), root_rank, name,
-                            process_set)
+    where = scope(process_set)
+    _checked("broadcast", name, where, [tensor], root_rank=root_rank)
+    copy = tensor.detach().clone()
+    return _submit_broadcast(copy, root_rank, name, where, then=lambda _: copy)
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    return _submit_broadcast(tensor.detach(), root_rank, name, scope(process_set),
-                             then=lambda _: tensor)
+    where = scope(process_set)
+    _checked("broadcast", name, where, [tensor], root_rank=root_rank)
+    return _submit_broadcast(tensor.detach(), root_rank, name, where, then=lambda _: tensor)
 
 
 def _check_splits(tensor: torch.Tensor, splits, size: int) -> List[int]:
@@ -398,16 +446,19 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
     are given, as current Horovod, (those rows, an int32 tensor of how many came from
     each rank). Differentiable: the gradient is the alltoall back."""
     where = scope(process_set)
-    return _Alltoall.apply(tensor, _check_splits(tensor, splits, where.size), name,
-                           splits is not None, where)
+    with engine().refusing("alltoall", name, where.id):  # splits: this rank's own
+        counts = _check_splits(tensor, splits, where.size)
+    return _Alltoall.apply(tensor, counts, name, splits is not None, where)
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """Start an alltoall; synchronize(handle) returns (rows received, received splits)
     with or without splits, as Horovod's does."""
     where = scope(process_set)
-    return _submit_alltoall(tensor.detach(), _check_splits(tensor, splits, where.size), name,
-                            where, then=lambda result: (result[0], torch.tensor(
+    with engine().refusing("alltoall", name, where.id):
+        counts = _check_splits(tensor, splits, where.size)
+    return _submit_alltoall(tensor.detach(), counts, name, where,
+                            then=lambda result: (result[0], torch.tensor(
                                 result[1], dtype=torch.int32)))
 
 
@@ -415,7 +466,8 @@ def reducescatter(tensor, name=None, compression=None, op=Average,
                   process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0):
     """Reduce `tensor` over ranks and give each rank its part of the first dimension
     (the first dim % size ranks get one row more). Horovod's arguments, in its order."""
-    where, reduce = scope(process_set), reduce_op(None, op)
+    where = scope(process_set)
+    reduce = _checked("reducescatter", name, where, [tensor], None, op)
     sent, ctx = (tensor, None) if compression is None else compression.compress(tensor)
     [out] = _Reducescatter.apply("reducescatter", reduce, prescale_factor, postscale_factor,
                                  name, where, sent)
@@ -424,15 +476,18 @@ def reducescatter(tensor, name=None, compression=None, op=Average,
 
 def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set,
                         prescale_factor=1.0, postscale_factor=1.0) -> int:
-    return _submit_reducescatter([tensor], reduce_op(None, op), prescale_factor,
-                                 postscale_factor, name, scope(process_set), then=_first)
+    where = scope(process_set)
+    reduce = _checked("reducescatter", name, where, [tensor], None, op)
+    return _submit_reducescatter([tensor], reduce, prescale_factor, postscale_factor, name,
+                                 where, then=_first)
 
 
 def grouped_reducescatter(tensors, name=None, compression=None, op=Average,
                           process_set=global_process_set, prescale_factor=1.0,
                           postscale_factor=1.0):
     """Several reducescatters negotiated as one, under one name; differentiable."""
-    where, reduce = scope(process_set), reduce_op(None, op)
+    tensors, where = list(tensors), scope(process_set)
+    reduce = _checked("grouped_reducescatter", name, where, tensors, None, op)
     sent = [(t, None) if compression is None else compression.compress(t) for t in tensors]
     outs = _Reducescatter.apply("grouped_reducescatter", reduce, prescale_factor,
                                 postscale_factor, name, where, *[s for s, _ in sent])
@@ -443,9 +498,10 @@ def grouped_reducescatter(tensors, name=None, compression=None, op=Average,
 def grouped_reducescatter_async(tensors, name=None, op=Average,
                                 process_set=global_process_set, prescale_factor=1.0,
                                 postscale_factor=1.0) -> int:
-    return _submit_reducescatter(list(tensors), reduce_op(None, op), prescale_factor,
-                                 postscale_factor, name, scope(process_set),
-                                 kind="grouped_reducescatter")
+    tensors, where = list(tensors), scope(process_set)
+    reduce = _checked("grouped_reducescatter", name, where, tensors, None, op)
+    return _submit_reducescatter(tensors, reduce, prescale_factor, postscale_factor, name,
+                                 where, kind="grouped_reducescatter")
 
 
 def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
@@ -456,11 +512,16 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     of ranks for hvd.Average). A dense allreduce of the same tensors gives the same
     values; this moves only the non-zeros."""
     where = scope(process_set)
-    if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
-        raise ValueError("sparse_allreduce_async takes a sparse COO tensor")
-    op = reduce_op(None, op)
-    if op not in (Sum, Average):
-        raise ValueError(f"sparse allreduce sums or averages; op {op!r} is not provided")
+    # refused: both of its allgathers, on every rank
+    with engine().refusing("allgather", f"{name}.indices", where.id), \
+            engine().refusing("allgather", f"{name}.values", where.id):
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_sparse:
+            raise ValueError("sparse_allreduce_async takes a sparse COO tensor")
+        op = reduce_op(None, op)
+        if op not in (Sum, Average):
+            raise ValueError(f"sparse allreduce sums or averages; op {op!r} is not provided")
+        _check(tensor._indices(), "allgather")  # here, while a refusal fails both names:
+        _check(tensor._values(), "allgather")   # not after the first allgather has gone
     # allgather joins along the first dimension: one row per non-zero, so the indices
     # (sparse_dim x nnz) go transposed and come back transposed.
     indices_handle = allgather_async(tensor._indices().t().contiguous(), f"{name}.indices",

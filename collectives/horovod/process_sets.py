@@ -121,18 +121,21 @@ def add_process_set(process_set) -> ProcessSet:
     """Add a process set (a ProcessSet, or a list of ranks) and return it, with its id.
 
     A collective of every rank, as in Horovod: every rank adds the same sets in the same
-    order. A set of the same ranks must not exist already (ValueError)."""
-    if not isinstance(process_set, ProcessSet):
-        process_set = ProcessSet(process_set)
-    ranks = tuple(process_set.ranks)
-    size = get_comm().world_size
-    if not ranks or len(set(ranks)) != len(ranks) or not 0 <= ranks[0] <= ranks[-1] < size:
-        raise ValueError(f"a process set holds distinct ranks of 0..{size - 1}, at least "
-                         f"one; got {list(ranks)}")
+    order. A set of the same ranks must not exist already (ValueError). Refused here,
+    it is refused on every rank (engine.Engine.refusing), as any collective."""
     current = engine()
-    if ranks == current.table.sets[0] or current.table.set_id(ranks) is not None:
-        raise ValueError(f"Attempted to add a duplicate process set: {process_set} (a set "
-                         f"of ranks {list(ranks)} exists already)")
+    with current.refusing("add_process_set", None):
+        if not isinstance(process_set, ProcessSet):
+            process_set = ProcessSet(process_set)
+        ranks = tuple(process_set.ranks)
+        size = get_comm().world_size
+        if not ranks or len(set(ranks)) != len(ranks) \
+                or not 0 <= ranks[0] <= ranks[-1] < size:
+            raise ValueError(f"a process set holds distinct ranks of 0..{size - 1}, at "
+                             f"least one; got {list(ranks)}")
+        if ranks == current.table.sets[0] or current.table.set_id(ranks) is not None:
+            raise ValueError(f"Attempted to add a duplicate process set: {process_set} (a "
+                             f"set of ranks {list(ranks)} exists already)")
     process_set.process_set_id = _change(current, "add_process_set", ranks)
     current.added_sets.append(process_set)  # to lose its id when the engine goes
     return process_set
