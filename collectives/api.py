@@ -480,11 +480,30 @@ def _check_each(tensors: Sequence[torch.Tensor], what: str) -> Sequence[torch.Te
     return tensors
 
 
+def _as_moved_bits(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` seen as a dtype the collectives move, sharing its memory: bool as bytes
+    (uint8), complex as pairs of its real and imaginary parts (view_as_real). A
+    broadcast only copies bits, so writing the view writes the tensor: buffers of every
+    dtype torch's DDP broadcasts (a causal mask, rotary frequencies) travel. Anything
+    else comes back as it is, for _check_each to judge."""
+    if not isinstance(tensor, torch.Tensor) or tensor.layout != torch.strided:
+        return tensor
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8)
+    if tensor.is_complex() and not tensor.is_conj():  # (a conjugate view has no such view)
+        return torch.view_as_real(tensor)
+    return tensor
+
+
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int = 0,
                         comm: Optional[Transport] = None) -> None:
-    """Broadcast many tensors in place with one message per dtype (not one per tensor)."""
+    """Broadcast many tensors in place with one message per dtype (not one per tensor).
+
+    Any dtype of SUPPORTED_DTYPES, and bool and complex too (moved as bytes and as
+    float pairs: _as_moved_bits)."""
     comm = comm or get_comm()
-    _check_each(tensors, "broadcast_coalesced")
+    tensors = _check_each([_as_moved_bits(tensor) for tensor in tensors],
+                          "broadcast_coalesced")
     if not 0 <= src < comm.world_size:
         raise ValueError(f"broadcast_coalesced: src={src} is not a rank of a world of "
                          f"{comm.world_size}")

@@ -323,6 +323,7 @@ class Bucketer:
                                             options.before_buckets)
             self.worker.on_stop = self.priority.close
         self.handed_off = False  # finish() returned with the step's reductions in flight
+        self._handed_grads: List[tuple] = []  # then: (param, its .grad, the grad's version)
         self.synced_steps = 0  # steps whose reduction completed
         self._ready_ns: Dict[int, int] = {}  # id(param) -> when it went in its bucket
         self._reduce_seconds = [0.0] * len(self.buckets)
@@ -482,6 +483,8 @@ class Bucketer:
             self._launch_used_map(used_map)
         if self.priority is not None and not (missing and self.options.unused == "error"):
             self.handed_off = True  # the step goes on in take() and complete()
+            self._handed_grads = [(p, p.grad, _version(p.grad))
+                                  for b in self.buckets for p in b.params]
             return
         self._complete(missing, used_map)
 
@@ -499,11 +502,30 @@ class Bucketer:
             reduced.append(bucket.slot(position))
         return reduced
 
-    def complete(self, skip: Collection[int] = ()) -> None:
-        """End a handed-off step: wait for every bucket, write the reduced gradient of
-        each parameter not in `skip` (ids) to .grad as finish() does, and start the next
-        step afresh."""
+    def touched_grads(self) -> Dict[int, str]:
+        """A handed-off step: the parameters whose .grad the loop has touched since
+        backward handed the step over, {id(param): "dropped"} where .grad is None now
+        (zero_grad()), {id(param): "changed"} where it was written in place or replaced
+        (clip_grad_norm_, zero_grad(set_to_none=False), an edit). Written in place
+        means its version counter moved: torch counts every in-place operation."""
+        touched = {}
+        for param, grad, version in self._handed_grads:
+            if param.grad is None:
+                if grad is not None:
+                    touched[id(param)] = "dropped"
+            elif param.grad is not grad or _version(param.grad) != version:
+                touched[id(param)] = "changed"
+        return touched
+
+    def complete(self) -> None:
+        """End a handed-off step: wait for every bucket, write each reduced gradient to
+        .grad as finish() does, where the loop left .grad as backward made it (not
+        where it has touched it since: touched_grads()), and start the next step
+        afresh. So .grad ends as plain allreduce leaves it: the average, or what the
+        loop's zero_grad() left."""
+        skip = self.touched_grads()
         self.handed_off = False
+        self._handed_grads = []
         self._complete([], None, skip)
 
     def _complete(self, missing: List[torch.nn.Parameter], used_map: Optional[torch.Tensor],
@@ -644,6 +666,11 @@ class Bucketer:
         for hook in self._hooks:
             hook.remove()
         self.worker.stop()  # its on_stop closes the priority schedule
+
+
+def _version(grad: Optional[torch.Tensor]) -> int:
+    """A gradient's version counter (0 for None): torch adds one at each in-place write."""
+    return 0 if grad is None else grad._version
 
 
 def _cut_into_buckets(trainable: Sequence[torch.nn.Parameter], bucket_cap_mb: float,

@@ -27,6 +27,12 @@ What happens underneath, in order:
 5. `join()`: uneven inputs. A rank whose data ran out leaves the training loop and,
    inside the context, shadows the others' steps until every rank is done (see
    `join` below), as torch's DDP with its Join context.
+6. The strategy's other moments (sync/base.py): a strategy that acts at after_backward
+   or after_step (delayed, powersgd, local SGD, diloco, gossip, async-avg) is called
+   by the wrapper, so a plain torch loop runs it as the trainer does: after_backward
+   when a backward outside no_sync() ends, after_step when an optimizer holding the
+   model's parameters has stepped (`_StrategyMoments` below). A loop that calls the
+   moments itself, as the trainer does, says so: moments="loop".
 
 Which ranks: a script that made a torch.distributed process group itself
 (`dist.init_process_group(...)`, as every torch DDP tutorial does) needs no
@@ -37,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import weakref
 import zlib
 from dataclasses import replace
 from typing import List, Optional
@@ -44,6 +51,7 @@ from typing import List, Optional
 import torch
 
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .api import broadcast_coalesced, gather_rows
 from .world import adopt_torch_group, get_comm
@@ -57,6 +65,8 @@ from .transport import Transport
 # bucket_cap_mb="auto": synced steps with DDP's sizes before the buckets are re-cut (the
 # first step's reductions also pay for first-touch allocations and connections)
 AUTO_BUCKET_STEPS = 2
+# who calls a strategy's after_backward and after_step: the wrapper, or the training loop
+MOMENT_CALLERS = ("ddp", "loop")
 
 
 def cpu_weight(comm: Transport) -> float:
@@ -83,6 +93,13 @@ def check_same_model(module: nn.Module, comm: Transport) -> None:
                 f"buffers with {rows[0][1]} parameter elements, rank {peer} has {other[0]} "
                 f"with {other[1]}" + ("" if other[:2] != rows[0][:2] else
                                       " (same sizes, different names, shapes or dtypes)"))
+
+
+def moments_of(strategy: SyncStrategy) -> List[str]:
+    """The moments, of after_backward and after_step, at which `strategy` acts: those
+    its class defines over the base class's, which does nothing."""
+    return [name for name in ("after_backward", "after_step")
+            if getattr(type(strategy), name) is not getattr(SyncStrategy, name)]
 
 
 def check_same_buckets(bucketer: Bucketer, comm: Transport) -> None:
@@ -134,6 +151,12 @@ class DistributedDataParallel(nn.Module):
       sync:      a SyncStrategy instance or registered name (default "allreduce").
       comm:      a communicator of ours to run over.
       first_bucket_mb: the first (smallest) bucket, so communication starts early.
+      moments:   who calls the strategy's after_backward and after_step. "ddp" (the
+                 default): the wrapper, for a plain torch loop (forward, backward,
+                 optimizer.step()); close() then closes the strategy, and
+                 `optimizer_steps` counts the steps it has told after_step of. "loop":
+                 the training loop calls them itself, in the order of sync/base.py
+                 (the trainer, its benchmark and its elastic loop do).
     """
 
     def __init__(self, module: nn.Module, device_ids=None, output_device=None, dim: int = 0,
@@ -146,8 +169,12 @@ class DistributedDataParallel(nn.Module):
                  skip_all_reduce_unused_params: bool = False, bucket_cap_mb_list=None,
                  batched_grad_copy: bool = False, forward_sync_buffers: Optional[bool] = None,
                  *, algorithm: str = "ring", sync=None, comm: Optional[Transport] = None,
-                 first_bucket_mb: float = 1.0):
+                 first_bucket_mb: float = 1.0, moments: str = "ddp"):
         super().__init__()
+        if moments not in MOMENT_CALLERS:
+            raise ValueError(f"moments={moments!r}: choose \"ddp\" (the wrapper calls the "
+                             "strategy's after_backward and after_step) or \"loop\" (the "
+                             "training loop calls them itself, as the trainer does)")
         _refuse_unprovided(delay_all_reduce_named_params=delay_all_reduce_named_params,
                            param_to_hook_all_reduce=param_to_hook_all_reduce,
                            mixed_precision=mixed_precision, device_mesh=device_mesh,
@@ -160,6 +187,8 @@ class DistributedDataParallel(nn.Module):
         self.broadcast_buffers = (broadcast_buffers if forward_sync_buffers is None
                                   else forward_sync_buffers) is not False
         self._join: Optional[_JoinState] = None
+        self._syncing = True  # False inside no_sync(): no reduction, no moment
+        self._closed = False
         check_same_model(module, self.comm)
         if init_sync:
             broadcast_coalesced([p.data for p in module.parameters()] +
@@ -170,6 +199,12 @@ class DistributedDataParallel(nn.Module):
             sync = create(sync)
         self.sync: SyncStrategy = sync
         self.sync.setup(module, self.comm)
+        self.moments = moments
+        acting = moments_of(self.sync)
+        if acting and moments == "ddp" and self.sync.overlap == "forward":
+            self.sync.close()
+            raise ValueError(f"sync {self.sync.name!r} with overlap=\"forward\" steps inside "
+                             f"the next forward, where its {' and '.join(acting)} cannot run")
         auto = bucket_cap_mb == "auto"
         cap = 25.0 if bucket_cap_mb is None or auto else bucket_cap_mb
         if not isinstance(cap, (int, float)) or cap <= 0 or first_bucket_mb <= 0:
@@ -184,6 +219,7 @@ class DistributedDataParallel(nn.Module):
         # next forward (step_in_forward.py); the buffers go first on the comm thread
         self.stepper: Optional[StepInForward] = None
         self._staged_buffers: List[tuple] = []  # (copy received, the module's buffer)
+        self._load_hooks: list = []  # overlap="forward": a load makes the copies stale
         if self.sync.overlap == "forward":
             if auto:  # the rest it cannot take, the bucketer refuses
                 raise ValueError(f"sync {self.sync.name!r} with overlap=\"forward\": "
@@ -192,13 +228,21 @@ class DistributedDataParallel(nn.Module):
                                            priority_chunk_bytes=self.sync.chunk_bytes,
                                            before_buckets=self._buffers_before_buckets())
         if self.sync.uses_buckets:
-            self._make_bucketer(float(cap), float(first_bucket_mb))
+            try:
+                self._make_bucketer(float(cap), float(first_bucket_mb))
+            except BaseException:  # refused: nothing of this wrapper stays on the model
+                self._remove_load_hooks()
+                raise
         # Re-cut only where one dtype's buckets can be replayed and the strategy keeps
         # nothing per bucket (topk's residuals are).
         self._auto_buckets = (auto and self.bucketer is not None
                               and not self.sync.keeps_bucket_state
                               and len({(p.device, p.dtype) for p in module.parameters()
                                        if p.requires_grad}) == 1)
+        # moments="ddp": hooked after the bucketer, so that a backward's end finds the
+        # buckets reduced
+        self._moments = (_StrategyMoments(self, acting) if acting and moments == "ddp"
+                         else None)
 
     def _make_bucketer(self, cap_mb: float, first_mb: float) -> None:
         options = replace(self._bucket_options, bucket_cap_mb=cap_mb, first_bucket_mb=first_mb)
@@ -248,30 +292,64 @@ class DistributedDataParallel(nn.Module):
         comm thread, into copies (`_staged_buffers`): backward leaves the buffers as
         the forward made them, the values DDP broadcasts before the next forward, but
         still holds them (BatchNorm's backward checks they did not change). The next
-        forward copies them in (_take_buffers). None when there is nothing to send."""
+        forward copies them in (_take_buffers), after a flush or a checkpoint too. A
+        load_state_dict() of the model since makes them stale (rank 0's from before
+        the load): that forward broadcasts the loaded ones instead. None when there is
+        nothing to send."""
+        from .step_in_forward import load_pre_hook
         buffers = list(self.module.buffers())
         if not (self.broadcast_buffers and self.sync.forward_buffer_sync and buffers):
             return None
         self._staged_buffers = [(buffer.clone(), buffer) for buffer in buffers]
+        self._buffers_received = False  # a step's copies, not yet taken by a forward
         copies = [staged for staged, _ in self._staged_buffers]
 
         def broadcast() -> None:
             for staged, buffer in self._staged_buffers:
                 staged.copy_(buffer)
             broadcast_coalesced(copies, src=0, comm=self.sync.bucket_comm)
+            self._buffers_received = True
+
+        own = {id(module) for module in self.module.modules()}  # not a deep copy's
+
+        def stale(module, *_) -> None:
+            if id(module) in own and self.bucketer is not None:
+                if self.bucketer.handed_off:  # the copies may still be on their way
+                    self.bucketer.take([])
+                self._buffers_received = False
+        self._load_hooks = [load_pre_hook(module, stale) for module in self.module.modules()]
         return broadcast
 
+    def _remove_load_hooks(self) -> None:
+        for hook in self._load_hooks:
+            hook.remove()
+        self._load_hooks = []
+
     def _take_buffers(self) -> None:
-        """overlap="forward", a forward after a handed-off step: rank 0's buffers, as
-        the step's first job received them."""
-        if self._staged_buffers and self.bucketer.handed_off:
+        """overlap="forward": rank 0's buffers before a forward, as plain allreduce
+        broadcasts them. The first forward after a step copies in those the step's
+        first job received (waiting for them if they are still on their way); any
+        other (the first forward, after no_sync(), after one that took them, after a
+        load_state_dict()) broadcasts them now, as plain allreduce does. Every rank
+        decides alike: steps, forwards and loads come in the same order on all."""
+        if not self._staged_buffers:
+            return
+        if self.bucketer.handed_off:
             with self.stepper.waiting():
                 self.bucketer.take([])
-            with torch.no_grad():
-                for staged, buffer in self._staged_buffers:
-                    buffer.copy_(staged)
+        if not self._buffers_received:
+            broadcast_coalesced([buffer for _, buffer in self._staged_buffers], src=0,
+                                comm=self.comm)
+            return
+        self._buffers_received = False
+        with torch.no_grad():
+            for staged, buffer in self._staged_buffers:
+                buffer.copy_(staged)
 
     def forward(self, *inputs, **kwargs):
+        if self._closed and torch.is_grad_enabled():
+            raise RuntimeError("this DistributedDataParallel is closed: its gradients would "
+                               "not be synchronized (evaluate under torch.no_grad())")
         if self.sync.overlap == "forward" and self.stepper is None and torch.is_grad_enabled():
             raise RuntimeError("overlap=\"forward\" takes the optimizer step inside the next "
                                "forward: wrap the optimizer first, optimizer = "
@@ -280,6 +358,8 @@ class DistributedDataParallel(nn.Module):
                 and self.bucketer.synced_steps >= AUTO_BUCKET_STEPS
                 and not self.bucketer.in_flight):
             self._size_buckets_for_the_link()
+        if self._moments is not None and torch.is_grad_enabled():
+            self._moments.step_skipped_before()  # a skipped step is a step for the strategy
         buffer_source = 0
         if self._join is not None and torch.is_grad_enabled():
             buffer_source = self._join.step_in(self)  # a rank that still has data
@@ -293,16 +373,19 @@ class DistributedDataParallel(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally; the first backward after the block syncs them."""
-        if self.bucketer is None:
-            yield
-            return
-        previous = self.bucketer.enabled
-        self.bucketer.enabled = False
+        """Accumulate gradients locally; the first backward after the block syncs them
+        (and, with moments="ddp", is the one that ends with the strategy's
+        after_backward)."""
+        previous = self._syncing
+        self._syncing = False
+        if self.bucketer is not None:
+            self.bucketer.enabled = False
         try:
             yield
         finally:
-            self.bucketer.enabled = previous
+            self._syncing = previous
+            if self.bucketer is not None:  # (re-cut inside the block: the new one)
+                self.bucketer.enabled = previous
 
     @contextlib.contextmanager
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
@@ -333,6 +416,11 @@ class DistributedDataParallel(nn.Module):
         if self.bucketer is None:
             raise NotImplementedError(f"join() shadows bucket reductions; the "
                                       f"{self.sync.name!r} strategy has none")
+        if moments_of(self.sync):
+            raise NotImplementedError(
+                f"join() shadows bucket reductions; the {self.sync.name!r} strategy also "
+                f"communicates at {' and '.join(moments_of(self.sync))}, which a rank out "
+                "of inputs cannot shadow")
         if self.stepper is not None or self.sync.overlap == "forward":
             raise NotImplementedError("join() with overlap=\"forward\" is not supported: "
                                       "a shadowed step has no forward to take it in")
@@ -347,6 +435,158 @@ class DistributedDataParallel(nn.Module):
             state, self._join = self._join, None
         if finished:
             state.shadow_until_all_done(self)
+
+    @property
+    def optimizer_steps(self) -> int:
+        """moments="ddp": the optimizer steps the wrapper has told the strategy of (the
+        `step` its after_step got last). A run resumed from a checkpoint sets it to the
+        steps already done, so that periodic strategies keep their schedule."""
+        return self._moments.steps if self._moments is not None else 0
+
+    @optimizer_steps.setter
+    def optimizer_steps(self, steps: int) -> None:
+        if self._moments is not None:
+            self._moments.steps = steps
+
+    def close(self) -> None:
+        """Training is over: overlap="forward"'s step in flight is finished, with
+        moments="ddp" the strategy's close() (after the after_step of a last step the
+        loop skipped; its last averaging round, its threads; a loop that calls the
+        moments closes the strategy itself), then every hook comes off the model and the
+        comm thread stops. The model still evaluates (under torch.no_grad()). Calling it
+        again does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            if self.stepper is not None:
+                self.stepper.close()  # flushes the pending step, removes its hooks
+            if self._moments is not None:
+                self._moments.step_skipped_before()
+            if self.moments == "ddp":
+                self.sync.close()
+        finally:
+            if self._moments is not None:
+                self._moments.remove()
+            self._remove_load_hooks()
+            if self.bucketer is not None:
+                self.bucketer.close()
+
+
+class _StrategyMoments:
+    """moments="ddp": the strategy's after_backward and after_step, called for a plain
+    torch loop at the moments the trainer calls them (sync/base.py):
+
+        backward outside no_sync() ends  ->  after_backward(model), once the buckets'
+                                             averages are in .grad
+        optimizer.step() returns         ->  after_step(model, step), step from 1
+
+    The end of a backward is an autograd engine callback, queued by the pass's first
+    gradient; a step is seen by torch's optimizer step post-hook (global: the hook
+    passes over optimizers that hold none of this model's parameters, such as
+    diloco's outer one). Only the moments the strategy acts at are called
+    (`moments_of`).
+
+    A synced backward with no optimizer step after it (GradScaler found an inf in this
+    rank's gradients, or the loop skipped the step) is still a step for the strategy:
+    its after_step runs before the next training forward (or in close()), as the
+    trainer calls after_step when GradScaler skips. So every rank calls after_step once
+    per synced backward, and the ranks stay in step even when a skip is decided on one
+    rank alone (GradScaler's check reads this rank's gradients, which local SGD and its
+    kind never average). Accumulate gradients inside no_sync(): each synced backward is
+    a step. A second optimizer step with no backward in between (two optimizers for one
+    model, or steps inside no_sync()) is refused: after_step would run before the last
+    of them. So is the loop's own call of a moment the wrapper calls: on the strategy,
+    those methods raise until close(), instead of running twice.
+    """
+
+    def __init__(self, ddp: "DistributedDataParallel", acting: List[str]):
+        self.ddp, self.strategy = ddp, ddp.sync
+        # (the class's methods, bound: not a refusal an earlier wrapper left behind)
+        self.calls = {name: getattr(type(self.strategy), name).__get__(self.strategy)
+                      for name in acting}
+        for name in acting:  # the instance's attribute hides the class's method
+            setattr(self.strategy, name, self._refusal(name))
+        self.steps = 0  # optimizer steps told to after_step
+        self.backward_done = False  # a synced backward ended since the last step
+        self.queued_in = -1  # the autograd graph task whose end is queued
+        self.parameters = {id(p) for p in ddp.module.parameters()}
+        # The hooks hold the moments weakly: a wrapper dropped without close() goes (its
+        # model may stay), and takes torch's global hook with it.
+        moments = weakref.ref(self)
+
+        def on_gradient(param: torch.Tensor) -> None:
+            alive = moments()
+            if alive is not None:
+                alive.gradient_arrived()
+
+        def after_optimizer_step(optimizer, args, kwargs) -> None:
+            alive = moments()
+            if alive is not None:
+                alive.optimizer_stepped(optimizer)
+        self.gradient_hooks = [p.register_post_accumulate_grad_hook(on_gradient)
+                               for p in ddp.module.parameters() if p.requires_grad]
+        self.step_hook = register_optimizer_step_post_hook(after_optimizer_step)
+        weakref.finalize(self, self.step_hook.remove)
+
+    def _refusal(self, name: str):
+        strategy = self.strategy.name
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"sync {strategy!r}: DistributedDataParallel calls its {name} "
+                               "itself; a loop that calls the strategy's moments wraps the "
+                               "model with moments=\"loop\"")
+        return refuse
+
+    def gradient_arrived(self) -> None:
+        """The first gradient of a synced backward queues the backward's end (once per
+        autograd graph task: a backward that failed before its end leaves none queued)."""
+        task = torch._C._current_graph_task_id()
+        if self.ddp._syncing and task != self.queued_in:
+            self.queued_in = task
+            torch.autograd.Variable._execution_engine.queue_callback(self.backward_ended)
+
+    def step_skipped_before(self) -> None:
+        """A synced backward ended and no optimizer step followed it: that step was
+        skipped, and is told to after_step now (before the next forward, or in close())."""
+        if self.backward_done:
+            self.backward_done = False
+            self.steps += 1
+            if "after_step" in self.calls:
+                self.calls["after_step"](self.ddp.module, self.steps)
+
+    def backward_ended(self) -> None:
+        self.step_skipped_before()  # two synced backwards with no forward between them
+        bucketer = self.ddp.bucketer
+        if bucketer is not None and bucketer.in_flight:  # its own end may be queued after
+            bucketer.finish()  # this one (buckets re-cut: its hooks are newer than ours)
+        if "after_backward" in self.calls:
+            self.calls["after_backward"](self.ddp.module)
+        self.backward_done = True
+
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        if not any(id(p) in self.parameters
+                   for group in optimizer.param_groups for p in group["params"]):
+            return  # another model's optimizer
+        if not self.backward_done:
+            raise RuntimeError(
+                f"optimizer.step() on this model's parameters with no backward outside "
+                f"no_sync() since the last step: DistributedDataParallel calls sync "
+                f"{self.strategy.name!r}'s after_step once a backward (more than one "
+                "optimizer, or steps on unsynced gradients: wrap the model with "
+                "moments=\"loop\" and call the moments in the loop)")
+        self.backward_done = False
+        self.steps += 1
+        if "after_step" in self.calls:
+            self.calls["after_step"](self.ddp.module, self.steps)
+
+    def remove(self) -> None:
+        """The hooks off the model and torch's optimizers, the strategy's methods back."""
+        for hook in self.gradient_hooks:
+            hook.remove()
+        self.step_hook.remove()
+        for name in self.calls:
+            vars(self.strategy).pop(name, None)
 
 
 class _JoinState:

@@ -25,11 +25,33 @@ Each parameter gets exactly the update one optimizer.step() would give it: the s
 taken on a shallow copy of the optimizer that shares its state (momentum buffers,
 Adam's moments) and has the remembered hyperparameters, over the parameters of one
 layer at a time. The optimizer must update each parameter from its own gradient and
-state (ELEMENTWISE); a rule over all gradients at once cannot run, since step() comes
-before the gradients exist: clip_grad_norm_, GradScaler's inf check (fp16 AMP), a
-closure (LBFGS). The model's and the optimizer's state_dict() finish the pending step
-first. After step(), .grad holds this rank's own gradient (or what zero_grad() left),
-not the average: the average lands in the next forward and is gone after its step.
+state (ELEMENTWISE).
+
+Whatever reads or writes the weights or the optimizer's state between step() and the
+next forward sees what plain allreduce would, where the step came before it:
+- state_dict() of the model (or of any of its modules) and of the optimizer: the step
+  in flight is finished first (hooks on both);
+- load_state_dict() of either, in either order: the step is finished first, then the
+  load overwrites what it loads (plain allreduce's step came before the load too), so
+  the loaded values win; the buffers the step received are dropped and the next
+  forward broadcasts rank 0's loaded ones (ddp.py): load on every rank, as torch's
+  DDP needs for the weights;
+- an evaluation: a forward steps each layer before it runs, under no_grad too;
+- .grad: this rank's own gradient until the next forward ends, then the average
+  where the loop left .grad as backward made it (no zero_grad() yet), as plain
+  allreduce leaves it after step(); zero_grad() instead of step() drops the step, and
+  zero_grad() before step() makes the step plain allreduce's (on what it left).
+
+What needs every averaged gradient before the step, which here comes before the
+gradients exist, is refused with one line: GradScaler's step (its inf check),
+gradients changed between backward and step() (clip_grad_norm_), the wrapped
+optimizer stepped itself (on this rank's own gradients), a closure (LBFGS). To clip or
+scale, call flush() after backward: .grad then holds the average, and that step is
+plain allreduce's (without the overlap):
+
+    loss.backward(); optimizer.flush()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
 """
 from __future__ import annotations
 
@@ -82,71 +104,102 @@ class StepInForward:
             raise ValueError("step_in_forward: the optimizer must hold the model's trained "
                              "parameters and no others (one outside the model would never "
                              "be stepped; one of the model's outside it would be)")
+        self._names = {id(p): name for name, p in ddp.module.named_parameters()}
         self._pending: Optional[List[dict]] = None  # the remembered step's hyperparameters
-        self._discarded = False  # zero_grad() came instead of step(): drop the gradients
         self._stepped: set = set()                  # ids stepped in this forward
         self._hooks = []
+        # (functions, not bound methods: a deepcopy of the model, as for evaluation or an
+        # average of weights, copies a bound method's object, this one and its threads)
         for module in ddp.module.modules():  # first among a module's hooks (weight_norm's
             own = [p for p in module.parameters(recurse=False) if id(p) in reduced]
             if own:                          # computes a weight from the stepped ones)
                 self._hooks.append(module.register_forward_pre_hook(
                     lambda module, inputs, own=own: self._step_these(own), prepend=True))
-        # (functions, not bound methods: a deepcopy of the model, as for evaluation or an
-        # average of weights, copies a bound method's object, this one and its threads)
+            # a checkpoint holds the step in flight; a load comes after it
+            self._hooks.append(module.register_state_dict_pre_hook(
+                lambda module, prefix, keep_vars: self.flush()))
+            self._hooks.append(load_pre_hook(module, lambda *_: self.flush()))
         self._hooks.append(ddp.module.register_forward_hook(
             lambda module, inputs, output: self._after_forward(module)))
-        # the model's state_dict() (a checkpoint) holds the step in flight too
-        self._hooks.append(ddp.module.register_state_dict_pre_hook(
-            lambda module, prefix, keep_vars: self.flush()))
+        # the optimizer's own: its checkpoint and load likewise; a step of its own refused
+        self._hooks += [
+            optimizer.register_state_dict_pre_hook(lambda opt: self.flush()),
+            optimizer.register_load_state_dict_pre_hook(lambda opt, state: self.flush()),
+            optimizer.register_step_pre_hook(lambda opt, args, kwargs: self._own_step(opt))]
 
     # --- what a training loop calls ---------------------------------------------------
     def step(self, closure=None) -> None:
-        """Remember this step, to be taken in the next forward; if this step's
-        reduction was not handed over (nothing in flight), step now as usual."""
+        """Remember this step, to be taken in the next forward. Where no step is in
+        flight (after flush()), or zero_grad() came first, step now as plain allreduce."""
         if closure is not None:
             raise ValueError("step_in_forward: a closure (LBFGS) needs every gradient at once")
+        if self.__dict__.pop("found_inf", None) is not None:  # _step_supports_amp_scaling
+            self.__dict__.pop("grad_scale", None)
+            raise RuntimeError(
+                "overlap=\"forward\": GradScaler's step with a step in flight: its inf check "
+                "needs every averaged gradient at once, and they land layer by layer in the "
+                "next forward; call optimizer.flush() before scaler.step(optimizer) (that "
+                "step is then plain allreduce's)")
         if not self.bucketer.handed_off:
             self.optimizer.step()
             return
         if self._pending is not None:  # two step() calls for one backward
             raise RuntimeError("step_in_forward: step() was called twice for one backward")
+        touched = self.bucketer.touched_grads()
+        changed = [self._names.get(key, "?") for key, how in touched.items() if how == "changed"]
+        if changed:
+            raise RuntimeError(
+                f"overlap=\"forward\": the gradients of {len(changed)} parameter(s) "
+                f"({', '.join(changed[:3])}{', ...' if len(changed) > 3 else ''}) were changed "
+                "between backward and step() (clip_grad_norm_, zero_grad(set_to_none=False), "
+                "an edit of .grad): .grad holds this rank's own gradient until the average "
+                "lands in the next forward; call optimizer.flush() first (.grad then holds "
+                "the average, and this step is plain allreduce's)")
+        if touched:  # zero_grad() came first: the step sees what it left, as plain's
+            self.flush()
+            self.optimizer.step()
+            return
         self._pending = [{key: _frozen(value) for key, value in group.items() if key != "params"}
                          for group in self.optimizer.param_groups]
         self.optimizer._opt_called = True  # what an LR scheduler checks: step() came first
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As the optimizer's; with a step in flight that step() did not take, its
-        gradients are dropped (a loop that skips a step), not written later."""
-        if self.bucketer.handed_off and self._pending is None:
-            self._discarded = True
+        """As the optimizer's. With a step in flight that step() did not take, the step
+        is dropped (a loop that skips a step): the averages are not written over what
+        zero_grad() left (Bucketer.complete)."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def flush(self) -> None:
         """Finish the step in flight now: wait for every bucket, step what the forward
-        has not stepped yet. If step() was not called, the reduced gradients are written
-        to .grad, as after a plain backward, unless zero_grad() dropped them."""
+        has not stepped yet, and write the averages to .grad where the loop left it as
+        backward made it (as plain allreduce's backward does)."""
         if not self.bucketer.handed_off:
             return
         try:
-            every = [p for bucket in self.bucketer.buckets for p in bucket.params]
             if self._pending is not None:
-                self._step_these([p for p in every if id(p) not in self._stepped])
-            skip = {id(p) for p in every} if self._discarded else self._stepped
-            self.bucketer.complete(skip=skip)
+                self._step_these([p for bucket in self.bucketer.buckets
+                                  for p in bucket.params if id(p) not in self._stepped])
+            self.bucketer.complete()
         finally:
-            self._pending, self._stepped, self._discarded = None, set(), False
+            self._pending, self._stepped = None, set()
 
     def state_dict(self) -> dict:
-        self.flush()
-        return self.optimizer.state_dict()
+        return self.optimizer.state_dict()  # its hook finishes the step first
 
     def load_state_dict(self, state: dict) -> None:
-        self.flush()
-        self.optimizer.load_state_dict(state)
+        self.optimizer.load_state_dict(state)  # likewise: the loaded state wins
 
     @property
     def param_groups(self) -> List[dict]:
         return self.optimizer.param_groups
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """What GradScaler.step() asks. True while a step is in flight: the scaler then
+        hands step() its scale and inf flag (found_inf) instead of unscaling this
+        rank's own gradients and checking them, and step() refuses. After flush(), it
+        unscales and checks the averages in .grad as for any optimizer."""
+        return self.bucketer.handed_off
 
     def close(self) -> None:
         """Remove the hooks (after a flush); the model takes no more steps in forward."""
@@ -156,6 +209,18 @@ class StepInForward:
         self._hooks = []
         if self.ddp.stepper is self:
             self.ddp.stepper = None
+
+    # --- the wrapped optimizer's step pre-hook ---------------------------------------
+    def _own_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Refuse a step of the wrapped optimizer's own while a step is in flight: it
+        would step on this rank's gradient alone (GradScaler's scaler.step(optimizer)
+        comes here too). The per-layer copy steps freely."""
+        if optimizer is self.optimizer and self.bucketer.handed_off:
+            raise RuntimeError(
+                "overlap=\"forward\": the optimizer given to step_in_forward() was stepped "
+                "itself (optimizer.step(), or scaler.step(optimizer)) with a step in "
+                "flight: .grad holds this rank's own gradient, not the average; call step() "
+                "on the optimizer step_in_forward() returned, or its flush() first")
 
     # --- inside the forward ----------------------------------------------------------
     def _after_forward(self, module: torch.nn.Module) -> None:
@@ -203,4 +268,13 @@ class StepInForward:
         self._stepped.update(id(p) for p in params)
 
 
-__all__ = ["StepInForward", "ELEMENTWISE"]
+def load_pre_hook(module: torch.nn.Module, hook: Callable):
+    """hook(module, state_dict, prefix, ...) before `module` loads its own tensors from
+    a state_dict, in its own load_state_dict() or a parent's (torch's public method
+    where this torch has it, else the private one older versions have)."""
+    if hasattr(module, "register_load_state_dict_pre_hook"):
+        return module.register_load_state_dict_pre_hook(hook)
+    return module._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+__all__ = ["StepInForward", "ELEMENTWISE", "load_pre_hook"]

@@ -259,3 +259,40 @@ def compare_accumulation_with_torch_ddp(comm, gradient_as_bucket_view=False):
                 torch.testing.assert_close(ours[name], expected, rtol=1e-9, atol=1e-12,
                                            msg=lambda m: f"{where}: {m}")
     return digest_parameters(models["ours"][0].module)
+
+
+class MaskAndFrequencies(nn.Module):
+    """A layer with the buffers of attention that are not floats: a causal mask (bool)
+    and rotary frequencies (complex64), drawn from `seed` (each rank its own)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("causal", torch.ones(4, 4, dtype=torch.bool))
+        self.register_buffer("freqs_cis", torch.ones(4, 4, dtype=torch.complex64))
+        self.redraw(seed)
+
+    @torch.no_grad()
+    def redraw(self, seed):
+        generator = torch.Generator().manual_seed(seed)
+        self.causal.copy_(torch.rand(4, 4, generator=generator) > 0.5)
+        self.freqs_cis.copy_(torch.polar(torch.ones(4, 4), torch.rand(4, 4, generator=generator)))
+
+    def forward(self, x):  # x: (batch, 4 positions, 8 features)
+        pairs = torch.view_as_complex(self.proj(x).reshape(*x.shape[:-1], 4, 2))
+        rotated = torch.view_as_real(pairs * self.freqs_cis).flatten(-2)
+        return (rotated @ rotated.transpose(-1, -2)).masked_fill(~self.causal, 0.0)
+
+    def buffer_values(self):
+        return [self.causal.tolist(), self.freqs_cis.tolist()]
+
+
+def bool_and_complex_buffers_come_from_rank_0(comm):
+    """Each rank's buffers drawn from its own seed: after wrapping (the initial sync)
+    and after a forward that follows a redraw on every rank (the per-forward broadcast),
+    the buffer values this rank holds."""
+    model = collectives.DistributedDataParallel(MaskAndFrequencies(seed=comm.rank))
+    after_wrapping = model.module.buffer_values()
+    model.module.redraw(seed=10 + comm.rank)
+    model(torch.randn(2, 4, 8)).sum().backward()
+    return after_wrapping, model.module.buffer_values()

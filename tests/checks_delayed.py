@@ -28,7 +28,8 @@ def shapes_accuracy(comm, name, options=None, steps=48, seed=0, images=2048, bat
     test = make_shapes(512, seed=2000 + seed)
     torch.manual_seed(seed)
     strategy = sync.create(name, algorithm="ring", **(options or {}))
-    model = collectives.DistributedDataParallel(small_resnet_like(), sync=strategy, comm=comm)
+    model = collectives.DistributedDataParallel(small_resnet_like(), sync=strategy,
+                                                moments="loop", comm=comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum,
                                 weight_decay=1e-4)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, steps)

@@ -91,7 +91,7 @@ def check_model_averaging(comm, device, hasher):
         synced_at_the_end = options.get("fragments", 1) == 1
         strategy = sync.create(name, **options)
         model = collectives.DistributedDataParallel(make_model("resnet18").to(device),
-                                                    sync=strategy, comm=comm)
+                                                    sync=strategy, moments="loop", comm=comm)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         for step in range(1, 5):
             x, y = batch("resnet18", comm.rank, comm.world_size, step)

@@ -215,7 +215,8 @@ def bytes_sent_per_step(comm, names=("allreduce", "ddp-collectives"), steps=3):
             model = strategy.wrap(module)
         else:
             strategy = sync.create(name)
-            model = collectives.DistributedDataParallel(module, sync=strategy, comm=comm)
+            model = collectives.DistributedDataParallel(module, sync=strategy,
+                                                        moments="loop", comm=comm)
         sent = SentBytes(comm, strategy)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         for step in range(steps + 1):

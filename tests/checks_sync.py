@@ -65,7 +65,8 @@ def train_mlp(comm, name, steps=5, lr=0.1, momentum=0.0, batchnorm=False,
     """Train the MLP with strategy `name` (each rank its own batches); return its state
     (parameters and buffers). after_optimizer: as step_once takes it."""
     strategy = sync.create(name, algorithm="ring", **options)
-    model = collectives.DistributedDataParallel(mlp(batchnorm), sync=strategy, comm=comm)
+    model = collectives.DistributedDataParallel(mlp(batchnorm), sync=strategy,
+                                                moments="loop", comm=comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     for step in range(1, steps + 1):
         step_once(model, strategy, optimizer, *shard(comm, step), step, after_optimizer)
@@ -135,7 +136,7 @@ def one_bad_gradient_is_forgotten(comm, value, steps=6, bad_step=2):
     for name in GRADIENT_STRATEGIES:
         late = {"warmup_steps": 0} if name == "delayed" else {}  # late from step 1
         strategy = sync.create(name, algorithm="ring", **late)
-        model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+        model = collectives.DistributedDataParallel(mlp(), sync=strategy, moments="loop", comm=comm)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         finite_steps[name], applied = [], 0
         for step in range(1, steps + 1):
@@ -164,7 +165,7 @@ def delayed_unscales_each_gradient_with_its_own_scale(comm, steps=6, bad_step=2)
     overflow at `bad_step` (seen, and skipped, at bad_step + 1) halves it.
     Returns the scale of every step."""
     strategy = sync.create("delayed", algorithm="ring", warmup_steps=0)
-    model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+    model = collectives.DistributedDataParallel(mlp(), sync=strategy, moments="loop", comm=comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1)
     strategy.grad_scaler = scaler
@@ -228,7 +229,8 @@ def ring_bytes(numel, element_size, n, rank):
 
 def bytes_of_one_step(comm, name, **options):
     strategy = sync.create(name, algorithm="ring", **options)
-    model = collectives.DistributedDataParallel(mlp().float(), sync=strategy, comm=comm,
+    model = collectives.DistributedDataParallel(mlp().float(), sync=strategy,
+                                                moments="loop", comm=comm,
                                                 bucket_cap_mb=0.01, first_bucket_mb=0.01)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     x, y = shard(comm, 1)
@@ -271,7 +273,7 @@ def async_avg_does_not_wait_for_a_slow_rank(comm, flag_path):
     no timing is involved. Returns (rank 0 finished while rank 1 stalled, rounds, bytes).
     """
     strategy = sync.create("async-avg", algorithm="ring")
-    model = collectives.DistributedDataParallel(mlp(), sync=strategy, comm=comm)
+    model = collectives.DistributedDataParallel(mlp(), sync=strategy, moments="loop", comm=comm)
     comm.traffic.reset()  # the rounds run on a duplicate communicator that counts here
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     finished_first = None
@@ -330,7 +332,8 @@ def mnist_accuracy(comm, name, epochs=3, options=None, momentum=0.9):
     test_images, test_labels = load_mnist(train=False)
     torch.manual_seed(0)
     strategy = sync.create(name, algorithm="ring", **(options or {}))
-    model = collectives.DistributedDataParallel(SmallCNN(), sync=strategy, comm=comm)
+    model = collectives.DistributedDataParallel(SmallCNN(), sync=strategy,
+                                                moments="loop", comm=comm)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
     mine = torch.arange(comm.rank, len(images), comm.world_size)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, epochs * (len(mine) // 32))

@@ -44,7 +44,9 @@ def _rank_main(payload, rank, world_size, port, backend, init_timeout, results, 
         comm = (None if backend is None else  # None: the function joins by itself
                 collectives.init(backend=backend, timeout=init_timeout, shm=shm))
         value = function(comm, *args)
-        results.put((rank, "ok", value))
+        # By value: a tensor put on the queue as it is goes as a file descriptor that
+        # this process must still hold when the caller reads it, and it may have exited.
+        results.put((rank, "ok", pickle.dumps(value)))
         collectives.destroy()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
@@ -98,7 +100,7 @@ def run_world(function, world_size, args=(), backend="gloo", timeout=120.0,
                 continue
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed:\n{value}")
-            values[rank] = value
+            values[rank] = pickle.loads(value)
     finally:
         for process in ranks:
             process.join(timeout=5)

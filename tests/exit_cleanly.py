@@ -104,7 +104,7 @@ def _rank_case(case: str, backend: str) -> None:
     elif case == "async":
         strategy = sync.create("async-avg")
         model = collectives.DistributedDataParallel(torch.nn.Linear(200, 200), sync=strategy,
-                                                    comm=comm)
+                                                    moments="loop", comm=comm)
         for step in range(1, 4):
             model(torch.randn(8, 200)).sum().backward()
             strategy.after_step(model.module, step)

@@ -3,9 +3,12 @@ while the next forward starts before the last buckets have landed."""
 import pytest
 
 from checks_overlap import (a_deep_copy_of_the_model_evaluates,
+                            a_step_in_flight_sees_what_plain_allreduce_sees,
                             forward_overlap_equals_allreduce,
-                            heads_reduced_early_equal_allreduce, refusals,
-                            the_first_layer_runs_before_the_last_buckets_land)
+                            heads_reduced_early_equal_allreduce, nothing_stays_on_the_model,
+                            refusals,
+                            the_first_layer_runs_before_the_last_buckets_land,
+                            what_cannot_be_right_is_refused)
 from distributed import run_world
 
 
@@ -59,9 +62,32 @@ def test_what_it_cannot_do_is_refused_with_one_line():
     assert "find_unused_parameters" in said[0]
     assert "model.step_in_forward(optimizer)" in said[1]
     assert "LBFGS is not one of the optimizers" in said[2]
-    assert "overlap='sideways': choose from backward, forward" in said[3]
+    assert "'sideways'" in said[3] and "backward, forward" in said[3], said[3]
 
 
 @pytest.mark.timeout(120)
 def test_a_deep_copy_of_the_model_evaluates_as_the_trainer_makes_one():
     assert run_world(a_deep_copy_of_the_model_evaluates, 2, timeout=100) == [(4, 10)] * 2
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_loads_checkpoints_evaluations_and_no_sync_see_what_plain_allreduce_sees(world_size):
+    # the weights, buffers, momentum and evaluation outputs, bitwise, on every rank
+    for rank, differences in enumerate(run_world(
+            a_step_in_flight_sees_what_plain_allreduce_sees, world_size, timeout=130)):
+        assert all(d is None for d in differences.values()), (rank, differences)
+
+
+@pytest.mark.timeout(120)
+def test_a_scaler_clipping_or_the_wrapped_optimizer_is_refused_on_every_rank():
+    for said in run_world(what_cannot_be_right_is_refused, 2, timeout=100):
+        assert "GradScaler" in (said["GradScaler on the stepper"] or ""), said
+        for name in ("GradScaler on the optimizer", "the optimizer itself"):
+            assert "was stepped itself" in (said[name] or ""), said
+        assert "were changed between backward and step()" in (said["clip_grad_norm_"] or ""), said
+
+
+@pytest.mark.timeout(60)
+def test_a_refused_or_closed_wrapper_leaves_no_hook_on_the_model():
+    assert run_world(nothing_stays_on_the_model, 1, timeout=50) == [(0, 0)]

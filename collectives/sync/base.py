@@ -37,6 +37,9 @@ that a faster rank can train more of each epoch.
 The training loop calls the moments in this order, every optimizer step:
     forward, backward (reduce_bucket for each bucket), after_backward, optimizer.step(),
     after_step; and close() once at the end.
+The trainer's loop calls them itself; for a plain torch loop (forward, backward,
+optimizer.step()) our DistributedDataParallel calls them in the same order, from hooks
+at the end of each backward and after each optimizer step (ddp.py, moments="ddp").
 
 A step whose gradients are not finite (an fp16 overflow, a bad batch) is skipped by
 the loop (GradScaler, or the trainer's --skip-nonfinite), but only after the strategy
@@ -63,11 +66,12 @@ transport's counters say what it sent. Register a new one with `@register("name"
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Type
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Type
 
 import torch
 
 from ..transport import Transport
+from .options import merged, split, typed
 
 
 class SyncStrategy:
@@ -194,8 +198,27 @@ def available() -> list:
     return sorted(_REGISTRY)
 
 
-def create(name: str, **options) -> SyncStrategy:
-    """A new strategy by name; an unknown name lists the available ones."""
+def strategy_class(name: str) -> Type[SyncStrategy]:
+    """The class registered as `name`; an unknown name lists the available ones."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown sync strategy {name!r}: choose from {', '.join(available())}")
-    return _REGISTRY[name](**options)
+    return _REGISTRY[name]
+
+
+def parse(spec: str, **options) -> Tuple[str, Dict[str, Any]]:
+    """'local-sgd:period=8' -> ('local-sgd', {'period': 8}): the strategy a spec names
+    and its options (those after the name, and `options`), each converted to or checked
+    against the type its constructor declares (options.py). What create() would refuse
+    of an option's name or type is refused here, before anything is built."""
+    name, given = split(spec)
+    declared_by = strategy_class(name).__init__
+    return name, typed(name, declared_by, merged(name, given, options))
+
+
+def create(spec: str, **options) -> SyncStrategy:
+    """A new strategy from a spec: a registered name, with options after it or as keyword
+    arguments: create("allreduce:overlap=forward") is create("allreduce",
+    overlap="forward"). A bad option is one line naming the strategy, the option, the
+    value and what it needs (ValueError; TypeError for an option it does not take)."""
+    name, typed_options = parse(spec, **options)
+    return _REGISTRY[name](**typed_options)
