@@ -5,12 +5,13 @@
 1. Read rank / world size / local rank from the launcher (launch/environment.py).
 2. A world of one needs nothing more: no process group, no peers.
 3. mpi: mpi4py's world is the job; it must agree with the launcher.
-4. gloo / nccl: the ranks meet at rank 0's store (launch/rendezvous.py says where)
-   and take a census there: each rank's host and GPUs (launch/census.py). "auto" is
-   nccl only where every host has a GPU for each of its ranks, else gloo, said in one
-   line by rank 0 where GPUs were there. Then torch.distributed builds the group over
-   that store: gloo, or for nccl "cpu:gloo,cuda:nccl", so that the CPU tensors of
-   bookkeeping go to gloo and only CUDA data to NCCL.
+4. gloo / nccl: the ranks meet at rank 0's store (launch/rendezvous.py says where;
+   under torchrun at the one its agent serves) and take a census there: each rank's
+   host and GPUs (launch/census.py). "auto" is nccl only where every host has a GPU
+   for each of its ranks, else gloo, said in one line by rank 0 where GPUs were there.
+   Then torch.distributed builds the group over that store: gloo, or for nccl
+   "cpu:gloo,cuda:nccl", so that the CPU tensors of bookkeeping go to gloo and only
+   CUDA data to NCCL.
 5. Routes: which ranks share a host, and shared memory between them (gloo, mpi).
 
 The communicator becomes the default for later calls (`collectives.get_comm()`). A
@@ -36,7 +37,8 @@ from .launch.environment import LaunchError, LaunchInfo, detect_launch
 from .launch.exit import close_at_exit, install_exit_hooks
 from .launch.links import link_rate_bytes
 from .launch.lazy_mpi import mpi_world
-from .launch.rendezvous import check_mpi_agrees, rendezvous_address
+from .launch.rendezvous import (attempt_prefix, check_mpi_agrees, open_store,
+                                 rendezvous_address)
 from .transport.base import PeerError, Transport
 from .transport.local import LocalTransport
 from .transport.shm import ShmTransport, want_shm
@@ -294,24 +296,25 @@ def _over_torch_distributed(backend: str, device, info: LaunchInfo,
 
 
 def _meet(info: LaunchInfo, timeout: timedelta):
-    """The store at rank 0 where the ranks meet, under a fresh prefix for this init().
+    """The store where the ranks meet (rank 0's, or torchrun's agent's: launch/
+    rendezvous.py's open_store), under a fresh prefix for this init().
 
     A process keeps its store for its life, and each init() of the job uses keys of its
     own ("init2/..."): every rank calls init() as many times (Horovod's shutdown() then
     init(), say). A new store on the same port instead could reach the old one, still
     up on a rank slower to close, whose keys from the last init() send the ranks to a
-    group being torn down ("Connection reset by peer")."""
+    group being torn down ("Connection reset by peer"). torchrun's store outlives its
+    workers: a restarted attempt's keys go under one more prefix ("attempt2/init1/")."""
     import torch.distributed as dist
     host, port = rendezvous_address(info)
     key = (host, port, info.world_size, info.rank)
     store = _stores.get(key)
     if store is None:
-        store = _stores[key] = dist.TCPStore(host, port, info.world_size,
-                                             is_master=info.rank == 0, timeout=timeout)
+        store = _stores[key] = open_store(host, port, info.world_size, info.rank, timeout)
     else:
         store.set_timeout(timeout)
     _meetings[key] = _meetings.get(key, 0) + 1
-    return dist.PrefixStore(f"init{_meetings[key]}/", store)
+    return dist.PrefixStore(f"{attempt_prefix()}init{_meetings[key]}/", store)
 
 
 def _backend_of_group(group) -> Tuple[str, bool]:

@@ -17,6 +17,7 @@ tests/distributed.py's run_world instead: this module is for commands.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -113,6 +114,17 @@ def run(argv: Sequence[str], cwd: Optional[str] = ROOT, timeout: float = TIMEOUT
     if check and job.returncode != 0:
         raise AssertionError(failure(argv, f"exited {job.returncode}", stdout, stderr))
     return subprocess.CompletedProcess(list(argv), job.returncode, stdout, stderr)
+
+
+# What a reader takes for a failure: torch's C++ log lines ("[E1129 05:21:20 ...] ...",
+# "[W..."), its Python logging ("W1129 ..."), a traceback, any program's error or warning.
+ERROR_LOOKING = re.compile(r"^\[?[EWF]\d{4} |Traceback|error|warning", re.IGNORECASE)
+
+
+def error_looking_lines(text: str) -> List[str]:
+    """The lines of `text` (what a clean run printed) that a reader would take for an
+    error or a warning."""
+    return [line for line in text.splitlines() if ERROR_LOOKING.search(line)]
 
 
 def failure(argv: Sequence[str], what: str, stdout: str, stderr: str) -> str:

@@ -185,6 +185,22 @@ def test_compare_starts_each_job_with_the_chosen_launcher():
         compare.main(["--sync", "no-such-sync"])
 
 
+def test_compare_refuses_a_bad_option_before_any_job(monkeypatch, capsys):
+    def job(*_):
+        raise AssertionError("a job started: the bad option was not refused first")
+
+    monkeypatch.setattr(compare, "run_one", job)
+    for syncs, message in (
+            ("allreduce,local-sgd:period=abc", "local-sgd: period must be a whole number"),
+            ("ddp,ddp-localsgd:period=0", "ddp-localsgd: period, local_period and rank must"),
+            ("allreduce:overlap=sideways", "allreduce: overlap must be one of backward, "),
+            ("local-sgd:perod=8", "local-sgd takes no option 'perod'")):
+        with pytest.raises(SystemExit) as stopped:
+            compare.main(["--sync", syncs, "--launcher", "torchrun"])
+        assert stopped.value.code == 2
+        assert message in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 def test_compare_passes_hosts_that_differ_on_to_the_cluster():
     args = argparse.Namespace(launcher="cluster", nproc=2, hosts=2, ranks_per_host=1,
                               bandwidth="100mbit", cpu_share=["node1=0.5"],
@@ -264,11 +280,11 @@ def test_a_job_killed_mid_epoch_keeps_the_epochs_it_finished(tmp_path, monkeypat
     epoch = json.dumps(dict(epoch=1, train_seconds=1.0, comm_bytes=0, steps=1,
                             images_per_s=1.0, test_acc=0.5))
     monkeypatch.setattr(compare, "launch_command", stand_in(epoch + '\n{"epoch": 2, "tr', 1))
-    job = compare.run_one("allreduce", None, [], str(tmp_path))
+    job = compare.run_one("allreduce", argparse.Namespace(sync_option=[]), [], str(tmp_path))
     assert [e["epoch"] for e in job["epochs"]] == [1]
     assert job["failed"].startswith("exit 1 (") and job["failed"].endswith("rank 2 lost")
     monkeypatch.setattr(compare, "launch_command", stand_in("", 0))
-    job = compare.run_one("bf16", None, [], str(tmp_path))
+    job = compare.run_one("bf16", argparse.Namespace(sync_option=[]), [], str(tmp_path))
     assert job["epochs"] == [] and job["failed"].startswith("exit 0, no epoch recorded")
 
 

@@ -14,7 +14,7 @@ import torch
 
 from collectives.elastic.store import serve
 from distributed import run_world
-from launchers import ROOT, TESTS, python, rank_env, run, trainer
+from launchers import ROOT, TESTS, mpirun, python, rank_env, run, trainer
 
 
 class Job:
@@ -266,6 +266,23 @@ def test_a_rank_that_comes_joins_the_trainer_at_its_next_step(tmp_path):
     outputs = "\n".join(job.output(i) for i in range(3))
     assert codes == [0, 0, 0], outputs[-3000:]
     assert job.records()[-1]["world_size"] == 3, job.records()
+
+
+@pytest.mark.timeout(200)
+def test_mpirun_is_refused_on_every_rank_with_one_line_before_training():
+    """mpirun (MPICH's here, which names its ranks "mpich") ends every rank when one
+    dies: nothing would be left to go on, so --elastic refuses it at once."""
+    store = serve(0)  # where a run that was not refused would train
+    done = run(mpirun(2, *trainer("--elastic", "--store", f"127.0.0.1:{store.port}",
+                                  "--train-samples", "64", "--test-samples", "32",
+                                  "--batch-size", "16", "--epochs", "1", "--progress", "off",
+                                  "--timeout", "10")), timeout=150, check=False)
+    refusal = ("trainer: error: --elastic: mpirun (mpich) ends every rank when one dies; "
+               "start the ranks one by one, with collectives.cluster, or with one "
+               "--standalone torchrun per host")
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.splitlines() == [refusal, refusal], done.stderr[-2000:]
+    assert "generation" not in done.stdout, done.stdout
 
 
 # --- on the emulated cluster: a host killed, a host cut off and back --------------------

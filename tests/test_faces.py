@@ -10,6 +10,7 @@ import torch
 import checks_faces as checks
 from distributed import run_world, run_world_collecting_errors
 from launchers import ROOT, TESTS, mpirun, python, run, torchrun
+from test_docs_figures import check_face_losses, printed_face_losses
 
 
 def same_everywhere(results):
@@ -112,15 +113,17 @@ def test_ddp_on_a_torch_subgroup_and_with_torch_ddp_arguments():
 def test_torch_ddp_script_with_one_import_changed(tmp_path):
     """examples/torch_ddp_script.py under torchrun: the script makes its own process
     group; ours ends with torch DDP's parameters."""
-    saved = {}
+    saved, printed = {}, {}
     for face in ("torch", "collectives"):
         path = tmp_path / f"{face}.pt"
-        run(torchrun(2, os.path.join(ROOT, "examples", "torch_ddp_script.py"),
-                     "--face", face, "--save", str(path)), timeout=240)
+        printed[face] = run(torchrun(2, os.path.join(ROOT, "examples", "torch_ddp_script.py"),
+                                     "--face", face, "--save", str(path)), timeout=240).stdout
         saved[face] = torch.load(path)
     for name, expected in saved["torch"].items():
         torch.testing.assert_close(saved["collectives"][name], expected, rtol=1e-6, atol=1e-7,
                                    msg=lambda m: f"{name}: {m}")
+    assert printed_face_losses(printed["torch"]) == printed_face_losses(printed["collectives"])
+    check_face_losses(printed["collectives"])  # docs/faces.md quotes what it printed
 
 
 @pytest.mark.timeout(120)

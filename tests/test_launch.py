@@ -1,11 +1,15 @@
 """Launcher detection from faked environments: every launcher, every bad combination;
-and the --local-rank flag that torch.distributed.launch passes."""
+which launchers end every rank when one dies, torchrun's store; the --local-rank flag
+that torch.distributed.launch passes; the bad settings docs/launching.md shows."""
 import argparse
+import os
 
 import pytest
 
 from collectives.launch import LaunchError, add_local_rank_argument, detect_launch
-from collectives.launch.rendezvous import rendezvous_address, slurm_rendezvous
+from collectives.launch.rendezvous import (attempt_prefix, launcher_serves_store,
+                                           rendezvous_address, slurm_rendezvous)
+from launchers import ROOT, run
 
 
 @pytest.mark.parametrize("env, expected", [
@@ -37,6 +41,51 @@ def test_detects_each_launcher(env, expected):
     rank, size, local, launcher = expected
     assert (info.rank, info.world_size, info.local_rank) == (rank, size, local)
     assert info.launcher == launcher
+
+
+@pytest.mark.parametrize("env, ends_all", [
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "HYDI_CONTROL_FD": "7"}, True),  # MPICH's mpirun
+    ({"PMI_RANK": "1", "PMI_SIZE": "2"}, True),          # an mpiexec of MPICH's kind
+    ({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2"}, True),
+    ({"MV2_COMM_WORLD_RANK": "1", "MV2_COMM_WORLD_SIZE": "2"}, True),
+    ({"PMIX_RANK": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2"}, True),  # prterun's
+    # srun started them, whichever variables name the rank: srun --mpi=pmi2, --mpi=pmix
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_STEP_ID": "0"}, False),
+    ({"PMIX_RANK": "1", "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"},
+     False),
+    # mpirun inside an allocation, its proxies started by srun: still mpirun's ranks
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "SLURM_STEP_ID": "1", "HYDI_CONTROL_FD": "7"}, True),
+    ({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0"}, False),
+    ({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "x"}, False),
+    ({}, False),
+])
+def test_which_launchers_end_every_rank_when_one_dies(env, ends_all):
+    assert detect_launch(env).ends_every_rank_when_one_dies is ends_all
+
+
+AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "10.0.0.1",
+         "MASTER_PORT": "29500"}
+
+
+@pytest.mark.parametrize("env, host, port, serves", [
+    (AGENT, "10.0.0.1", 29500, True),
+    (dict(AGENT, TORCHELASTIC_USE_AGENT_STORE="False"), "10.0.0.1", 29500, False),
+    (AGENT, "10.0.0.1", 29501, False),    # another address: not the agent's store
+    ({"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}, "10.0.0.1", 29500, False),
+])
+def test_only_torchruns_agent_store_is_joined_as_a_client(env, host, port, serves):
+    assert launcher_serves_store(host, port, env) is serves
+
+
+@pytest.mark.parametrize("env, prefix", [
+    ({}, ""),
+    ({"TORCHELASTIC_RESTART_COUNT": "0", "GROUP_WORLD_SIZE": "1"}, ""),
+    ({"TORCHELASTIC_RESTART_COUNT": "2", "GROUP_WORLD_SIZE": "1"}, "attempt3/"),
+    # agents on several hosts count their restarts apart: no prefix they could agree on
+    ({"TORCHELASTIC_RESTART_COUNT": "1", "GROUP_WORLD_SIZE": "2"}, ""),
+])
+def test_a_restarted_attempt_of_one_torchrun_has_keys_of_its_own(env, prefix):
+    assert attempt_prefix(env) == prefix
 
 
 @pytest.mark.parametrize("tasks_per_node, node, expected", [
@@ -157,3 +206,30 @@ def test_help_lists_one_spelling():
     add_local_rank_argument(parser, environ={})
     text = parser.format_help()
     assert "--local-rank N" in text and "--local_rank" not in text
+
+
+def commands_shown(doc, heading):
+    """[(command, the lines shown after it)] of the `$ command` lines in the first code
+    block under `heading` in docs/`doc`."""
+    with open(os.path.join(ROOT, "docs", doc)) as text:
+        section = text.read().split(heading, 1)[1]
+    block = section.split("```\n", 2)[1]
+    shown = []
+    for line in block.splitlines():
+        if line.startswith("$ "):
+            shown.append((line[2:], []))
+        else:
+            shown[-1][1].append(line)
+    return shown
+
+
+@pytest.mark.timeout(120)
+def test_the_bad_settings_launching_md_shows_print_that_line_alone():
+    """Each command prints the one line the docs show and nothing else: mpi4py's warning
+    about another MPI's mpirun (three lines before ours) included."""
+    shown = commands_shown("launching.md", "## Bad settings, dead peers, ending")
+    assert len(shown) == 2
+    for command, lines in shown:
+        done = run(["bash", "-c", command], timeout=100, check=False)
+        assert done.returncode != 0, command
+        assert (done.stdout + done.stderr).splitlines() == lines, done.stderr

@@ -1,11 +1,13 @@
 """Real launchers: the test starts mpirun (the one matching mpi4py), launch_mpi.sh, torchrun;
-and the mpi backend's transport and algorithms as mpirun starts them."""
+and the mpi backend's transport and algorithms as mpirun starts them. A clean run under
+each prints nothing that looks like an error."""
 import os
 import sys
 
 import pytest
 
-from launchers import ROOT, TESTS, launch_mpi_sh, mpirun, rank_env, run, torchrun
+from launchers import (ROOT, TESTS, error_looking_lines, launch_mpi_sh, mpirun, python,
+                       rank_env, run, torchrun)
 
 PRINT_RANK = ("import os, collectives; c = collectives.init(backend={backend!r}, timeout=60); "
               "os.write(1, f'rank {{c.rank}} of {{c.world_size}} {{c.backend}}\\n'.encode())")
@@ -16,6 +18,14 @@ def printed(argv, shm="auto"):
     return run(argv, cwd=TESTS, env=rank_env(COLLECTIVES_SHM=shm)).stdout
 
 
+def printed_cleanly(argv):
+    """What `argv` printed on stdout; the test fails if its stderr has a line that looks
+    like an error or a warning (a clean run must not alarm its reader)."""
+    done = run(argv, cwd=TESTS, env=rank_env(COLLECTIVES_SHM="auto"))
+    assert not error_looking_lines(done.stderr), done.stderr
+    return done.stdout
+
+
 def ranks_printed(stdout, world_size, backend):
     return sorted(line for line in stdout.splitlines() if line.startswith("rank")) == sorted(
         f"rank {r} of {world_size} {backend}" for r in range(world_size))
@@ -24,15 +34,50 @@ def ranks_printed(stdout, world_size, backend):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_mpirun_init_finds_every_rank(backend):
-    out = printed(mpirun(4, sys.executable, "-c", PRINT_RANK.format(backend=backend)))
+    out = printed_cleanly(mpirun(4, sys.executable, "-c", PRINT_RANK.format(backend=backend)))
     assert ranks_printed(out, 4, backend), out
 
 
 @pytest.mark.timeout(300)
 def test_torchrun_init_finds_every_rank():
-    out = printed(torchrun(4, "--no-python", sys.executable, "-c",
-                           PRINT_RANK.format(backend="gloo")))
+    # torchrun's agent serves the store at MASTER_PORT: every rank is its client (rank 0
+    # serving one there too printed torch's "[E...] The server socket ... failed to bind")
+    out = printed_cleanly(torchrun(4, "--no-python", sys.executable, "-c",
+                                   PRINT_RANK.format(backend="gloo")))
     assert ranks_printed(out, 4, "gloo"), out
+
+
+@pytest.mark.timeout(120)
+def test_one_plain_process_prints_no_error_line():
+    out = printed_cleanly(python("-c", PRINT_RANK.format(backend="gloo")))
+    assert ranks_printed(out, 1, "gloo"), out
+
+
+# Under one torchrun, attempt 1 (TORCHELASTIC_RESTART_COUNT=0): rank 1 ends after the
+# first all-reduce; torchrun starts both again, and they meet in the same store. Rank 1
+# comes 2 s late to the second, so that rank 0 would find the first's keys, not its.
+RESTARTED = """
+import os, time, torch, collectives
+attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) + 1
+if attempt == 2 and os.environ["RANK"] == "1":
+    time.sleep(2)
+comm = collectives.init(backend="gloo", timeout=20)
+total = torch.ones(1)
+collectives.all_reduce(total)
+if attempt == 1 and comm.rank == 1:
+    os._exit(3)
+print(f"attempt {attempt} rank {comm.rank} sum {total.item():g}", flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_torchrun_restarted_workers_meet_apart_from_the_attempt_before():
+    """The agent's store still holds the first attempt's keys (gloo's addresses of
+    workers now dead): the restarted ones meet under keys of their own."""
+    out = run(torchrun(2, "--max-restarts", "1", "--no-python", sys.executable, "-c",
+                       RESTARTED), cwd=TESTS).stdout
+    assert sorted(line for line in out.splitlines() if line.startswith("attempt 2")) == [
+        "attempt 2 rank 0 sum 2", "attempt 2 rank 1 sum 2"], out
 
 
 @pytest.mark.timeout(300)

@@ -313,8 +313,8 @@ BAD_FLAGS = [
     (["--min-ranks", "2"], "--store and --min-ranks belong to --elastic"),
     (["--sync-option", "overlap=forward", "--amp", "fp16"],
      "--sync allreduce with overlap=forward does not take --amp fp16"),
-    (["--sync-option", "overlap=sideways"], "overlap='sideways': choose from backward, "
-                                            "forward"),
+    (["--sync-option", "overlap=sideways"], "allreduce: overlap must be one of backward, "
+                                            "forward, got 'sideways'"),
 ]
 
 

@@ -8,8 +8,9 @@
 
 Each --sync is one of our strategies (inside collectives.DistributedDataParallel) or
 one of torch's peers (trainer/torch_peers.py: ddp, ddp-collectives, ddp-fp16,
-ddp-bf16, ddp-powersgd, ddp-localsgd). On random 28x28 images with the trainer's model
-it measures:
+ddp-bf16, ddp-powersgd, ddp-localsgd), with its options after colons as the trainer
+takes them (local-sgd:period=4); --sync-option KEY=VALUE gives one to every --sync. On
+random 28x28 images with the trainer's model it measures:
 
     step_ms       the mean training step: forward, backward with communication,
                   optimizer, and the strategy's moments. A periodic strategy
@@ -78,7 +79,7 @@ from collectives import sync as sync_registry
 from collectives import trace
 from collectives.launch import add_local_rank_argument
 from . import torch_peers
-from .loop.cli import bucket_size, sync_option
+from .loop.cli import bucket_size, build_sync, parse_sync, sync_option
 from .loop.networks import ARCHITECTURES, build_model
 from .timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 
@@ -146,7 +147,7 @@ class Variant:
             if isinstance(args.bucket_mb, float):
                 sizes["first_bucket_mb"] = args.bucket_mb
             self.wrapped = collectives.DistributedDataParallel(
-                self.model, sync=self.strategy, comm=comm, **sizes)
+                self.model, sync=self.strategy, comm=comm, moments="loop", **sizes)
             self.buckets = "-"
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.clock = WaitClock(self.model)
@@ -341,13 +342,12 @@ def rank_main(args):
 
 
 def split_entry(entry: str):
-    """'local-sgd:period=4' -> ('local-sgd', {'period': 4}): a sync and its options, as
-    the trainer's --sync-option takes them."""
-    name, *options = entry.split(":")
-    return name, dict(sync_option(option) for option in options)
+    """'local-sgd:period=4' -> ('local-sgd', {'period': 4}): a sync and its options,
+    read as the trainer reads its --sync (loop/cli.py parse_sync)."""
+    return parse_sync(entry)
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer.bench", description=__doc__.split("\n\n")[0],
                                 epilog="\n\n".join(__doc__.split("\n\n")[1:]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -357,6 +357,9 @@ def main(argv=None):
                    help="comma list of our strategies and torch's peers "
                         f"({', '.join(torch_peers.NAMES)}), each with its options after "
                         "colons (local-sgd:period=4); default allreduce,ddp")
+    p.add_argument("--sync-option", action="append", default=[], metavar="KEY=VALUE",
+                   type=sync_option, help="an option for every --sync, repeatable, as if "
+                   "written after each name")
     p.add_argument("--model", default="resnet18", choices=ARCHITECTURES)
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where each rank trains (default cpu); cuda: the ranks share the "
@@ -383,26 +386,33 @@ def main(argv=None):
     p.add_argument("--trace-level", type=int, choices=[1, 2], default=1,
                    help="1: steps, buckets, waits (default); 2: each algorithm's steps too")
     add_local_rank_argument(p)  # torch.distributed.launch passes --local-rank=N
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, every --sync checked (its name and options) before any rank
+    starts; each --sync then carries the --sync-option values too, so that its row
+    names every option it ran with."""
+    p = build_parser()
     args = p.parse_args(argv)
-    known = sync_registry.available() + torch_peers.NAMES
-    for entry in args.sync:
-        try:
-            name, options = split_entry(entry)
-        except argparse.ArgumentTypeError as error:
-            p.error(f"--sync {entry}: {error}")
-        if name not in known:
-            p.error(f"unknown sync {name!r}: choose from {', '.join(known)}")
+    for index, entry in enumerate(args.sync):
         try:  # bad options fail here, before any rank starts
-            (torch_peers.create if torch_peers.is_peer(name) else sync_registry.create)(
-                name, **options)
+            build_sync(*parse_sync(entry, args.sync_option))
         except (TypeError, ValueError, RuntimeError) as error:
-            p.error(f"--sync {entry}: {error}")
+            p.error(str(error))
+        args.sync[index] = ":".join([entry] + [f"{key}={value}"
+                                               for key, value in args.sync_option])
     if args.nproc < 2 or min(args.steps, args.rounds, args.batch_size) < 1:
         p.error("--nproc must be at least 2; --steps, --rounds and --batch-size at least 1")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     try:
         launched = collectives.detect_launch().world_size > 1
     except collectives.LaunchError as error:
-        p.error(str(error))
+        build_parser().error(str(error))
     if launched:  # torchrun, mpirun or the emulated cluster started the ranks
         rank_main(args)
         return 0

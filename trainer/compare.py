@@ -16,7 +16,8 @@ and --pause pass on to it: a slower host, a slower link, a host frozen for a whi
 python -m collectives.cluster --help), with every other
 trainer flag the same. The names are our strategies and torch's peers (ddp,
 ddp-fp16, ddp-bf16, ddp-powersgd, ddp-localsgd: trainer/torch_peers.py). A
-strategy's options follow its name after a colon: `local-sgd:period=8:warmup_steps=10`.
+strategy's options follow its name after a colon, as the trainer takes them:
+`local-sgd:period=8:warmup_steps=10`; --sync-option KEY=VALUE gives one to every job.
 Flags this command does not know are passed to the trainer unchanged (--stop-at ACC
 ends each job at the first epoch that reaches ACC).
 
@@ -50,6 +51,7 @@ from collectives.cluster.options import (as_given, cpu_share_arg, link_arg, paus
 from collectives.launch.mpirun import mpirun_command
 
 from . import torch_peers
+from .loop.cli import build_sync, parse_sync as parse_spec, sync_option
 
 
 # Options of the emulated cluster that make one host differ, passed on as given, and
@@ -73,12 +75,17 @@ def check_cluster_hosts(args) -> None:
     with_hosts_that_differ(spec, values["--cpu-share"], values["--link"], values["--pause"])
 
 
-def parse_sync(entry: str):
-    """'local-sgd:period=8' -> ('local-sgd', ['--sync-option', 'period=8'])."""
-    name, *options = entry.split(":")
-    flags = []
-    for option in options:
-        flags += ["--sync-option", option]
+def parse_sync(entry: str, sync_options=()):
+    """'local-sgd:period=8' -> ('local-sgd', ['--sync', 'local-sgd:period=8']): the
+    strategy's name and the trainer flags that pick it, its options and the
+    --sync-option pairs given to every job. The name and every option are checked
+    first, as the trainer will read them (ValueError or TypeError: the line to print),
+    so that a typo is one usage error here, not a failed job each."""
+    name, options = parse_spec(entry, sync_options)
+    build_sync(name, options)
+    flags = ["--sync", entry]
+    for key, value in sync_options:
+        flags += ["--sync-option", f"{key}={value}"]
     return name, flags
 
 
@@ -100,10 +107,9 @@ def launch_command(args, trainer_argv: List[str]):
 
 
 def run_one(entry: str, args, trainer_flags: List[str], folder: str) -> Dict:
-    name, option_flags = parse_sync(entry)
+    _, option_flags = parse_sync(entry, args.sync_option)
     metrics = os.path.join(folder, f"{entry.replace(':', '_')}.jsonl")
-    argv, env = launch_command(args, ["--sync", name, *option_flags, "--metrics", metrics,
-                                      *trainer_flags])
+    argv, env = launch_command(args, [*option_flags, "--metrics", metrics, *trainer_flags])
     started = time.perf_counter()
     result = subprocess.run(argv, env=env, capture_output=True, text=True)
     wall = time.perf_counter() - started
@@ -273,16 +279,19 @@ def main(argv=None) -> int:
                             help=f"emulated cluster: {text} (repeatable)")
     parser.add_argument("--sync", required=True,
                         help="comma list of strategies, each NAME[:KEY=VALUE...]")
+    parser.add_argument("--sync-option", action="append", default=[], metavar="KEY=VALUE",
+                        type=sync_option, help="an option for every job's strategy, "
+                        "repeatable, as if written after each name")
     parser.add_argument("--target", type=float, default=0.95,
                         help="test accuracy for the time-to-target column (default 0.95)")
     parser.add_argument("--out", default="compare", help="writes OUT.md and OUT.png")
     args, trainer_flags = parser.parse_known_args(argv)
-    from collectives import sync
-    known = sync.available() + torch_peers.NAMES
     entries = args.sync.split(",")
     for entry in entries:
-        if parse_sync(entry)[0] not in known:
-            parser.error(f"unknown sync {parse_sync(entry)[0]!r}: choose from {', '.join(known)}")
+        try:
+            parse_sync(entry, args.sync_option)
+        except (TypeError, ValueError, RuntimeError) as error:  # RuntimeError: a missing extra
+            parser.error(str(error))
     args.launcher = args.launcher or ("cluster" if args.hosts else "mpirun")
     if args.launcher == "cluster":
         if not args.hosts or args.hosts < 1 or args.ranks_per_host < 1:

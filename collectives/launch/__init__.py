@@ -4,9 +4,10 @@ Nothing here sends a tensor or knows an algorithm; it answers the questions ever
 rank has before and after its communication:
 
     environment.py   who am I? rank, world size and local rank from each launcher's
-                     variables (torchrun, mpirun, Slurm, ...), and --local-rank
+                     variables (torchrun, mpirun, Slurm, ...), whether the launcher
+                     ends every rank when one dies, and --local-rank
     rendezvous.py    where do the ranks meet? rank 0's address: MASTER_ADDR, over
-                     MPI, or from Slurm's node list
+                     MPI, or from Slurm's node list; the store there (torchrun's own)
     exit.py          how does a job end? background threads, then the communicator;
                      one failing rank aborts an MPI job
     lazy_mpi.py      mpi4py, imported on first use (importing it initialises MPI)

@@ -67,6 +67,8 @@ class LaunchInfo:
     local_rank: int
     launcher: str  # "torchrun", "mpich", "openmpi", "mvapich", "pmix", "slurm" or "none"
     local_world_size: Optional[int] = None  # ranks on this host, when the launcher says
+    # mpirun's: one rank that dies ends them all (see _ends_every_rank_when_one_dies)
+    ends_every_rank_when_one_dies: bool = False
 
     @property
     def is_mpi_launcher(self) -> bool:
@@ -106,6 +108,28 @@ def _slurm_tasks_on_this_node(env: Mapping[str, str]) -> Optional[int]:
         return counts[int(env["SLURM_NODEID"])]
     except (KeyError, ValueError, IndexError):
         return None
+
+
+def _ends_every_rank_when_one_dies(launcher: str, env: Mapping[str, str]) -> bool:
+    """Whether what started this process ends every rank of the job when one dies.
+
+    mpirun (mpiexec) does, of every MPI: MPICH's Hydra, Open MPI's, MVAPICH's. An MPI
+    job is one unit, so that a rank lost ends it instead of leaving the others blocked
+    in a collective; a job that must outlive a rank (--elastic) cannot run under it.
+    The others leave the ranks alone: srun (unless told to, --kill-on-bad-exit), ranks
+    started one by one, and torchrun beyond its own host (its agent stops the workers
+    it started, so one torchrun per host is the unit that can be lost).
+
+    The variables that name the rank do not always name who started it: an MPI's under
+    srun (`srun --mpi=pmi2` sets PMI_RANK) came from srun. Hydra marks the ranks its
+    proxies start (HYDI_CONTROL_FD), even where mpirun starts the proxies through srun
+    inside an allocation; Open MPI's mpirun sets OMPI_COMM_WORLD_* itself (under srun
+    only PMIx's variables are there at start)."""
+    if launcher == "openmpi":
+        return True
+    if launcher in ("mpich", "mvapich", "pmix"):
+        return "HYDI_CONTROL_FD" in env or not _in_slurm_step(env)
+    return False
 
 
 def split_command(argv: Sequence[str]) -> Tuple[List[str], List[str]]:
@@ -179,7 +203,8 @@ def detect_launch(env: Optional[Mapping[str, str]] = None,
                 local_rank = _read_int(env, "SLURM_LOCALID")
             if local_size is None:
                 local_size = _slurm_tasks_on_this_node(env)
-        return LaunchInfo(rank, size, local_rank or 0, launcher, local_size)
+        return LaunchInfo(rank, size, local_rank or 0, launcher, local_size,
+                          _ends_every_rank_when_one_dies(launcher, env))
     return LaunchInfo(0, 1, 0, "none", 1)
 
 

@@ -10,6 +10,14 @@ says where it is depends on the launcher:
                                        from the job and step ids (two jobs on a node
                                        differ)
 
+Who serves the store there: rank 0, except where the launcher already does. torchrun's
+agent serves one at MASTER_ADDR:MASTER_PORT for its workers and says so
+(TORCHELASTIC_USE_AGENT_STORE=True); every rank, rank 0 too, then connects to it, as
+torch's own env:// rendezvous does (`open_store`). A second server on that port would
+fail to bind, which torch prints as an error line before it forgives it. The agent's
+store outlives the workers when torchrun restarts them (--max-restarts), so under one
+torchrun the keys of each attempt go under a prefix of their own (`attempt_prefix`).
+
 Under an MPI launcher the launcher's world must also be MPI's: a mismatch is the
 classic sign of an mpirun from another MPI than mpi4py's.
 """
@@ -17,7 +25,8 @@ from __future__ import annotations
 
 import os
 import socket
-from typing import Tuple
+from datetime import timedelta
+from typing import Mapping, Optional, Tuple
 
 from .environment import LaunchError, LaunchInfo
 from .lazy_mpi import mpi, mpi_world
@@ -112,3 +121,41 @@ def rendezvous_address(info: LaunchInfo) -> Tuple[str, int]:
         return host, port
     raise LaunchError(f"MASTER_ADDR and MASTER_PORT are not set ({info.launcher} launcher, "
                       f"world of {info.world_size}): set them, or launch with torchrun or mpirun")
+
+
+def launcher_serves_store(host: str, port: int,
+                          env: Optional[Mapping[str, str]] = None) -> bool:
+    """True when the launcher itself serves the store at host:port: torchrun's agent,
+    which says so with TORCHELASTIC_USE_AGENT_STORE=True, at the MASTER_ADDR and
+    MASTER_PORT it gave its workers (torch asks the same of an address, in
+    torch.distributed.rendezvous, before it connects every rank as a client)."""
+    env = os.environ if env is None else env
+    return (env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and env.get("MASTER_ADDR") == host and env.get("MASTER_PORT") == str(port))
+
+
+def attempt_prefix(env: Optional[Mapping[str, str]] = None) -> str:
+    """The keys' prefix of this attempt of a job that one torchrun started: "" for the
+    first, "attempt2/" after its first restart (TORCHELASTIC_RESTART_COUNT=1), and so on.
+
+    Its agent's store outlives the workers it restarts (--max-restarts) and holds what
+    the workers before them wrote, gloo's addresses of processes now dead among it.
+    Only where that one torchrun started every rank (GROUP_WORLD_SIZE=1) is the count
+    the same on every rank: across hosts each agent counts its own failures (one that
+    restarts its workers because another host's failed does not count), so the ranks
+    would not meet under it. There, TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 gives each
+    attempt a store of its own (docs/launching.md)."""
+    env = os.environ if env is None else env
+    restarts = env.get("TORCHELASTIC_RESTART_COUNT", "0").strip()
+    if env.get("GROUP_WORLD_SIZE") != "1" or not restarts.isdigit() or int(restarts) == 0:
+        return ""
+    return f"attempt{int(restarts) + 1}/"
+
+
+def open_store(host: str, port: int, world_size: int, rank: int, timeout: timedelta):
+    """The torch TCPStore at host:port where the ranks meet: served by rank 0 (which
+    waits for the others to connect), or, where the launcher serves it already
+    (`launcher_serves_store`), a client on every rank."""
+    import torch.distributed as dist
+    serves = rank == 0 and not launcher_serves_store(host, port)
+    return dist.TCPStore(host, port, world_size, is_master=serves, timeout=timeout)

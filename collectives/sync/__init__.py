@@ -14,13 +14,17 @@
 
 Every module in this folder is imported here, so a new strategy is one new file with
 an `@register("name")` class: nothing else to edit (docs/writing_a_sync_strategy.md).
+Its options are its constructor's keyword arguments, spelled after the name wherever a
+strategy is named: `create("local-sgd:period=8")`; options.py converts and checks them.
 """
 import importlib
 import pkgutil
 
-from .base import SyncStrategy, available, create, finite, register
+from . import options
+from .base import SyncStrategy, available, create, finite, parse, register, strategy_class
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["SyncStrategy", "available", "create", "finite", "register"]
+__all__ = ["SyncStrategy", "available", "create", "finite", "options", "parse", "register",
+           "strategy_class"]

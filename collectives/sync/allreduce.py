@@ -19,13 +19,14 @@ last buckets are on the wire.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
 from .. import api
 from ..priority import chunk_bytes_for
 from .base import SyncStrategy, register
+from .options import check_algorithm, need, one_of
 
 
 OVERLAPS = ("backward", "forward")
@@ -34,11 +35,11 @@ OVERLAPS = ("backward", "forward")
 @register("allreduce")
 class AllReduce(SyncStrategy):
     def __init__(self, algorithm: str = "auto", overlap: str = "backward",
-                 chunk_mb="auto"):
-        if overlap not in OVERLAPS:
-            raise ValueError(f"overlap={overlap!r}: choose from {', '.join(OVERLAPS)}")
-        if chunk_mb != "auto" and (not isinstance(chunk_mb, (int, float)) or chunk_mb <= 0):
-            raise ValueError(f"chunk_mb={chunk_mb!r}: use megabytes above 0, or auto")
+                 chunk_mb: Union[float, str] = "auto"):
+        check_algorithm(self.name, algorithm)
+        one_of(self.name, "overlap", overlap, OVERLAPS)
+        need(chunk_mb == "auto" or (not isinstance(chunk_mb, str) and chunk_mb > 0),
+             self.name, "chunk_mb", chunk_mb, "megabytes above 0, or auto")
         self.algorithm = algorithm
         # what communication overlaps: the rest of backward (DDP's), or the next forward
         self.overlap = overlap

@@ -33,6 +33,7 @@ from .. import api
 from ..bucketer import CommWorker
 from .base import SyncStrategy, register
 from .local_sgd import averaged_tensors
+from .options import check_algorithm
 
 
 @register("async-avg")
@@ -43,6 +44,7 @@ class AsyncAverage(SyncStrategy):
     uneven_steps = True     # no collective at a set step: a fast rank may take more steps
 
     def __init__(self, algorithm: str = "auto"):
+        check_algorithm(self.name, algorithm)
         self.algorithm = algorithm
         self.round = None      # (payload being summed, done event)
         self.snapshot = None   # what this rank contributed to the running round

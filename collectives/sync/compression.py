@@ -27,6 +27,7 @@ import torch
 from .. import api
 from .allreduce import AllReduce
 from .base import finite, register
+from .options import need
 
 
 class _CastAllReduce(AllReduce):
@@ -55,8 +56,7 @@ class BF16(_CastAllReduce):
 class TopK(AllReduce):
     def __init__(self, ratio: float = 0.01, algorithm: str = "auto"):
         super().__init__(algorithm)
-        if not 0 < ratio <= 1:
-            raise ValueError(f"topk: ratio must be in (0, 1], got {ratio}")
+        need(0 < ratio <= 1, self.name, "ratio", ratio, "in (0, 1]")
         self.ratio = ratio
         self.errors: Dict[int, torch.Tensor] = {}  # per bucket index: what was not sent yet
         self.keeps_bucket_state = True

@@ -79,6 +79,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from .. import api
 from ..bucketer import CommWorker
 from .base import SyncStrategy, finite, register
+from .options import check_algorithm, need, one_of
 
 COMPENSATIONS = ("momentum", "dc", "none")
 
@@ -98,17 +99,13 @@ class Delayed(SyncStrategy):
     def __init__(self, algorithm: str = "auto", compensate: str = "momentum",
                  implicit_momentum: float = 0.5, dc_lambda: float = 2.0,
                  dc_decay: float = 0.95, warmup_steps: int = 32):
-        if compensate not in COMPENSATIONS:
-            raise ValueError(f"delayed: compensate must be one of {', '.join(COMPENSATIONS)}, "
-                             f"got {compensate!r}")
-        if not 0 <= implicit_momentum < 1:
-            raise ValueError(f"delayed: implicit_momentum must be in [0, 1), "
-                             f"got {implicit_momentum}")
-        if dc_lambda < 0 or not 0 <= dc_decay < 1:
-            raise ValueError(f"delayed: dc_lambda must be 0 or more and dc_decay in [0, 1), "
-                             f"got {dc_lambda} and {dc_decay}")
-        if warmup_steps < 0:
-            raise ValueError(f"delayed: warmup_steps must be 0 or more, got {warmup_steps}")
+        check_algorithm(self.name, algorithm)
+        one_of(self.name, "compensate", compensate, COMPENSATIONS)
+        need(0 <= implicit_momentum < 1, self.name, "implicit_momentum", implicit_momentum,
+             "in [0, 1)")
+        need(dc_lambda >= 0, self.name, "dc_lambda", dc_lambda, "0 or more")
+        need(0 <= dc_decay < 1, self.name, "dc_decay", dc_decay, "in [0, 1)")
+        need(warmup_steps >= 0, self.name, "warmup_steps", warmup_steps, "0 or more")
         self.algorithm = algorithm
         self.warmup_steps = warmup_steps
         self.steps_done = 0  # after_backward calls: the first warmup_steps are synchronous

@@ -53,6 +53,7 @@ import torch
 from .. import api
 from ..bucketer import CommWorker
 from .base import SyncStrategy, register
+from .options import WORDS, check_algorithm, need
 
 
 def split_into_fragments(params: List[torch.Tensor], count: int) -> List[List[torch.Tensor]]:
@@ -78,25 +79,25 @@ def split_into_fragments(params: List[torch.Tensor], count: int) -> List[List[to
 
 def check_schedule(name: str, period, fragments, delay) -> None:
     """Whole numbers, a period cut evenly into fragments, a delay within one fragment's
-    turn: else a ValueError naming the strategy."""
-    if not all(isinstance(value, int) and not isinstance(value, bool)
-               for value in (period, fragments, delay)):
-        raise ValueError(f"{name}: period, fragments and delay must be whole numbers "
-                         f"(got {period!r}, {fragments!r}, {delay!r})")
-    if period < 1 or fragments < 1 or period % fragments:
-        raise ValueError(f"{name}: period ({period}) must be a positive multiple of "
-                         f"fragments ({fragments})")
-    if not 0 <= delay < period // fragments:
-        raise ValueError(f"{name}: delay must be 0 or more and below period/fragments "
-                         f"= {period // fragments}, got {delay}")
+    turn: else a ValueError naming the strategy (`name`: torchft's peer checks its own
+    options with this too) and the option."""
+    for option, value in (("period", period), ("fragments", fragments), ("delay", delay)):
+        need(isinstance(value, int) and not isinstance(value, bool), name, option, value,
+             WORDS[int])
+    need(fragments >= 1, name, "fragments", fragments, "at least 1")
+    need(period >= 1 and period % fragments == 0, name, "period", period,
+         f"a positive multiple of fragments ({fragments})")
+    need(0 <= delay < period // fragments, name, "delay", delay,
+         f"0 or more and below period/fragments = {period // fragments}")
 
 
 def check_outer(name: str, outer_lr, outer_momentum, nesterov, alpha) -> None:
-    if outer_lr <= 0 or outer_momentum < 0 or not 0 <= alpha <= 1:
-        raise ValueError(f"{name}: outer_lr must be positive, outer_momentum 0 or more, "
-                         f"alpha in [0, 1] (got {outer_lr}, {outer_momentum}, {alpha})")
-    if nesterov and outer_momentum == 0:
-        raise ValueError(f"{name}: nesterov needs outer_momentum > 0")
+    """The outer step's options, as check_schedule checks the schedule's."""
+    need(outer_lr > 0, name, "outer_lr", outer_lr, "positive")
+    need(outer_momentum >= 0, name, "outer_momentum", outer_momentum, "0 or more")
+    need(not nesterov or outer_momentum > 0, name, "nesterov", nesterov,
+         "false when outer_momentum is 0")
+    need(0 <= alpha <= 1, name, "alpha", alpha, "in [0, 1]")
 
 
 @register("diloco")
@@ -108,8 +109,9 @@ class DiLoCo(SyncStrategy):
     def __init__(self, period: int = 8, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, fragments: int = 1, delay: int = 0,
                  alpha: float = 0.0, algorithm: str = "auto"):
-        check_schedule("diloco", period, fragments, delay)
-        check_outer("diloco", outer_lr, outer_momentum, nesterov, alpha)
+        check_schedule(self.name, period, fragments, delay)
+        check_outer(self.name, outer_lr, outer_momentum, nesterov, alpha)
+        check_algorithm(self.name, algorithm)
         self.period, self.fragment_count, self.delay, self.alpha = period, fragments, delay, alpha
         self.syncs_per_period = fragments  # one fragment every period / fragments steps
         self.every = period // fragments  # steps between two fragment synchronizations

@@ -23,6 +23,7 @@ import torch
 
 from .base import SyncStrategy, register
 from .local_sgd import averaged_tensors
+from .options import check_algorithm
 
 
 @register("gossip")
@@ -32,7 +33,8 @@ class Gossip(SyncStrategy):
     replicas_differ = True  # the model is the average of the replicas
 
     def __init__(self, algorithm: str = "auto"):
-        pass  # gossip uses point-to-point messages only: no collective algorithm
+        # Taken (every strategy takes one) but unused: gossip sends point to point only.
+        check_algorithm(self.name, algorithm)
 
     def after_step(self, model: torch.nn.Module, step: int) -> None:
         comm, n = self.comm, self.comm.world_size

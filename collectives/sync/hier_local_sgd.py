@@ -32,6 +32,7 @@ from .. import api
 from ..transport.group import Group
 from .base import register
 from .local_sgd import LocalSGD, averaged_tensors
+from .options import check_algorithm, need
 
 
 @register("hier-local-sgd")
@@ -41,10 +42,11 @@ class HierarchicalLocalSGD(LocalSGD):
                  algorithm: str = "hierarchical"):
         # The averaging across hosts is the hierarchical all-reduce whatever the
         # trainer's --algorithm: the two levels are what this strategy is about.
+        check_algorithm(self.name, algorithm)
         super().__init__(period, warmup_steps, "hierarchical")
-        if local_period < 1 or period % local_period:
-            raise ValueError(f"hier-local-sgd: period ({period}) must be a multiple of "
-                             f"local_period ({local_period}), which must be at least 1")
+        need(local_period >= 1, self.name, "local_period", local_period, "at least 1")
+        need(period % local_period == 0, self.name, "period", period,
+             f"a multiple of local_period ({local_period})")
         self.local_period = local_period
 
     def setup(self, model: torch.nn.Module, comm) -> None:

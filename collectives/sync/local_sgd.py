@@ -24,6 +24,7 @@ import torch
 from .. import api
 from .allreduce import AllReduce
 from .base import register
+from .options import need
 
 
 def averaged_tensors(model: torch.nn.Module):
@@ -39,10 +40,8 @@ class LocalSGD(AllReduce):
 
     def __init__(self, period: int = 8, warmup_steps: int = 0, algorithm: str = "auto"):
         super().__init__(algorithm)
-        if period < 1:
-            raise ValueError(f"local-sgd: period must be at least 1, got {period}")
-        if warmup_steps < 0:
-            raise ValueError(f"local-sgd: warmup_steps must be 0 or more, got {warmup_steps}")
+        need(period >= 1, self.name, "period", period, "at least 1")
+        need(warmup_steps >= 0, self.name, "warmup_steps", warmup_steps, "0 or more")
         self.period, self.warmup_steps = period, warmup_steps
         self.steps_done = 0
 

@@ -32,6 +32,7 @@ import torch
 
 from .. import api
 from .base import SyncStrategy, finite, register
+from .options import check_algorithm, need
 
 
 @register("powersgd")
@@ -39,8 +40,8 @@ class PowerSGD(SyncStrategy):
     uses_buckets = False
 
     def __init__(self, rank: int = 2, algorithm: str = "auto", seed: int = 0):
-        if rank < 1:
-            raise ValueError(f"powersgd: rank must be at least 1, got {rank}")
+        need(rank >= 1, self.name, "rank", rank, "at least 1")
+        check_algorithm(self.name, algorithm)
         self.rank, self.algorithm, self.seed = rank, algorithm, seed
 
     def setup(self, model, comm) -> None:

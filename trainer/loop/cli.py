@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn
+from typing import Any, Dict, Iterable, NoReturn, Tuple
 
 from collectives import algorithms, sync
 from collectives.launch import add_local_rank_argument
@@ -91,19 +91,46 @@ def step_range(text: str):
     return first, last
 
 
-def sync_option(text: str):
-    """'period=8' -> ('period', 8); numbers become int or float, true and false bool."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    if value.lower() in ("true", "false"):
-        return key, value.lower() == "true"
-    for convert in (int, float):
-        try:
-            return key, convert(value)
-        except ValueError:
-            pass
-    return key, value
+def sync_option(text: str) -> Tuple[str, str]:
+    """--sync-option 'period=8' -> ('period', '8'). The value stays text: the strategy
+    that takes it converts it to the type it declares (collectives/sync/options.py)."""
+    try:
+        return sync.options.split_option(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+SYNC_NAMES = sync.available() + torch_peers.NAMES
+
+
+def parse_sync(spec: str, sync_options: Iterable[Tuple[str, Any]] = ()
+               ) -> Tuple[str, Dict[str, Any]]:
+    """--sync NAME[:KEY=VALUE...] and the --sync-option pairs -> (name, options), each
+    option converted to the type the strategy (or torch peer) declares for it: the one
+    reading of a strategy's spelling that the trainer, trainer.bench and
+    trainer.compare share. A bad name or option raises ValueError or TypeError, with the
+    line to print."""
+    name, given = sync.options.split(spec)
+    flags: Dict[str, Any] = {}
+    for key, value in sync_options:  # a repeated flag is refused, as a repeated key is
+        if key in flags:
+            raise ValueError(f"{name}: {key} is given twice as --sync-option")
+        flags[key] = value
+    options = sync.options.merged(name, given, flags)
+    if torch_peers.is_peer(name):  # torch's peers declare the options they take as ours do
+        return name, sync.options.typed(name, peer_class(name).__init__, options)
+    if name not in sync.available():
+        raise ValueError(f"argument --sync: invalid choice: {name!r} (choose from "
+                         f"{', '.join(map(repr, SYNC_NAMES))})")
+    return sync.parse(name, **options)
+
+
+def peer_class(name: str):
+    """The class of torch's peer `name` (torchft's imported only when asked for)."""
+    if name == "torchft-diloco":
+        from ..torchft_peer import TorchftDiLoCo
+        return TorchftDiLoCo
+    return torch_peers.TorchPeer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -161,16 +188,17 @@ def build_parser() -> argparse.ArgumentParser:
                             "rank together (with a warning) instead of applying it")
 
     comm = p.add_argument_group("communication")
-    comm.add_argument("--sync", default="allreduce",
-                      choices=sync.available() + torch_peers.NAMES,
-                      help="sync strategy (default: allreduce, what DDP does); ddp, "
-                           "ddp-fp16, ddp-bf16, ddp-powersgd, ddp-localsgd are torch's own "
-                           "DDP and comm hooks, for comparison")
+    comm.add_argument("--sync", default="allreduce", metavar="NAME[:KEY=VALUE...]",
+                      help="sync strategy, its options after colons "
+                           "(allreduce:overlap=forward, local-sgd:period=8): "
+                           f"{', '.join(sync.available())} (default: allreduce, what DDP "
+                           f"does); {', '.join(torch_peers.NAMES)} are torch's own DDP and "
+                           "comm hooks, for comparison")
     comm.add_argument("--sync-option", action="append", default=[], metavar="KEY=VALUE",
                       type=sync_option,
-                      help="an option for the sync strategy, repeatable: e.g. period=8 "
-                           "warmup_steps=20 (local-sgd), ratio=0.01 (topk), rank=2 (powersgd), "
-                           "nesterov=false (diloco)")
+                      help="an option for the sync strategy, repeatable, the same as one "
+                           "after its name: e.g. period=8 warmup_steps=20 (local-sgd), "
+                           "ratio=0.01 (topk), rank=2 (powersgd), nesterov=false (diloco)")
     comm.add_argument("--algorithm", default="ring", choices=algorithms.names("all_reduce"),
                       help="collective algorithm for each gradient bucket (default: ring, "
                            "built from send/recv here; native is the backend's own)")
@@ -236,11 +264,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--eval-only needs --resume PATH (the checkpoint to evaluate)")
     if args.dataset != "shapes" and not args.data_dir:
         parser.error(f"--dataset {args.dataset} needs --data-dir (the folder holding it)")
-    args.sync_options = dict(args.sync_option)
     try:  # a strategy rejects unknown or bad options before anything runs
+        # --sync local-sgd:period=8 and --sync local-sgd --sync-option period=8 are one
+        # run: the name alone in args.sync, every option, typed, in args.sync_option
+        # (what a checkpoint records and a resume compares)
+        args.sync, args.sync_options = parse_sync(args.sync, args.sync_option)
+        args.sync_option = sorted(args.sync_options.items())  # one order for --resume's check
         strategy = create_sync(args)
     except (TypeError, ValueError, RuntimeError) as error:  # RuntimeError: a missing extra
-        parser.error(f"--sync {args.sync} --sync-option: {error}")
+        parser.error(str(error))
     uneven = getattr(strategy, "uneven_steps", False)
     if args.shards == "dynamic" and not uneven:
         parser.error(f"--shards dynamic: --sync {args.sync} meets every rank in a collective "
@@ -293,6 +325,13 @@ def refuse_for_forward_overlap(parser: argparse.ArgumentParser,
 
 def create_sync(args: argparse.Namespace):
     """The strategy --sync names: one of ours, or a torch peer (torch's DDP and hook)."""
-    if torch_peers.is_peer(args.sync):
-        return torch_peers.create(args.sync, **args.sync_options)
-    return sync.create(args.sync, **{"algorithm": args.algorithm, **args.sync_options})
+    return build_sync(args.sync, args.sync_options, args.algorithm)
+
+
+def build_sync(name: str, options: Dict[str, Any], algorithm: str = "auto"):
+    """Strategy `name` (ours, or a torch peer) built with `options` as parse_sync gives
+    them; ours all-reduce with `algorithm` unless the options name one. What only the
+    strategy can check (a period of at least 1) raises here."""
+    if torch_peers.is_peer(name):
+        return torch_peers.create(name, **options)
+    return sync.create(name, **{"algorithm": algorithm, **options})

@@ -72,6 +72,16 @@ def store_address(given: Optional[str]) -> Tuple[str, int]:
     return host, int(port)
 
 
+def refuse_a_launcher_that_ends_every_rank() -> None:
+    """--elastic needs the ranks left to go on when one dies: a launcher that ends every
+    rank then (mpirun, of any MPI) is refused, one line and exit 2, before any training."""
+    launch = detect_launch()
+    if launch.ends_every_rank_when_one_dies:
+        fail(f"--elastic: mpirun ({launch.launcher}) ends every rank when one dies; start "
+             "the ranks one by one, with collectives.cluster, or with one --standalone "
+             "torchrun per host")
+
+
 def progress_factor(args: argparse.Namespace, state: State, images: int) -> float:
     """The learning rate's factor at the run's progress: cosine decay to 0 over every
     image of --epochs (or 1), from the epoch and the images of it trained, so it is
@@ -86,9 +96,7 @@ def train_elastic(args: argparse.Namespace, split: data.DataSplit,
     """The run, generation after generation, until its epochs are done (from `saved`, an
     --elastic checkpoint, with --resume). Too few ranks left, a lost store, or the same
     failure generation after generation end it with one line (exit 1)."""
-    if detect_launch().launcher == "mpirun":
-        fail("--elastic: mpirun ends every rank when one dies; start the ranks one by "
-             "one, with collectives.cluster, or with one --standalone torchrun per host")
+    refuse_a_launcher_that_ends_every_rank()
     try:
         host, port = store_address(args.store)
     except ValueError as error:
@@ -146,7 +154,7 @@ def train_generation(args: argparse.Namespace, split: data.DataSplit, state: Sta
         # run() gave every member the same commit: DDP need not broadcast it again
         ddp = collectives.DistributedDataParallel(state.model, sync=strategy,
                                                   bucket_cap_mb=args.bucket_mb, comm=comm,
-                                                  init_sync=False)
+                                                  init_sync=False, moments="loop")
         while state.epoch <= args.epochs:
             record = train_rest_of_epoch(args, split, state, ddp, strategy, comm)
             if strategy.replicas_differ:  # local-sgd: the epoch ends with an averaging,

@@ -278,7 +278,8 @@ def wrap_model(args: argparse.Namespace, model: torch.nn.Module, strategy, comm,
         except RuntimeError as error:
             fail(str(error))
     return collectives.DistributedDataParallel(model, sync=strategy,
-                                               bucket_cap_mb=args.bucket_mb, comm=comm)
+                                               bucket_cap_mb=args.bucket_mb, comm=comm,
+                                               moments="loop")
 
 
 def shard_loader(args: argparse.Namespace, split: data.DataSplit,
@@ -356,6 +357,8 @@ def check_state_flags(args: argparse.Namespace, saved: dict) -> None:
     for flag in STATE_FLAGS:
         before = saved["args"].get(flag, FLAGS_BEFORE_THEY_EXISTED.get(flag))
         now = getattr(args, flag)
+        if flag == "sync_option":  # the options, in whatever order they were given
+            before, now = sorted(map(tuple, before or [])), sorted(map(tuple, now or []))
         if before != now:
             fail(f"--resume {args.resume}: saved with --{flag.replace('_', '-')} {before}, "
                  f"resumed with {now}: its model and strategy state belong to the flags "
