@@ -347,6 +347,10 @@ class DistributedDataParallel(nn.Module):
                 buffer.copy_(staged)
 
     def forward(self, *inputs, **kwargs):
+        if self._moments is not None and torch.is_grad_enabled():
+            # a skipped step is a step for the strategy, told first: before any
+            # collective of this forward (every rank reaches this point alike)
+            self._moments.step_skipped_before()
         if self._closed and torch.is_grad_enabled():
             raise RuntimeError("this DistributedDataParallel is closed: its gradients would "
                                "not be synchronized (evaluate under torch.no_grad())")
@@ -358,8 +362,6 @@ class DistributedDataParallel(nn.Module):
                 and self.bucketer.synced_steps >= AUTO_BUCKET_STEPS
                 and not self.bucketer.in_flight):
             self._size_buckets_for_the_link()
-        if self._moments is not None and torch.is_grad_enabled():
-            self._moments.step_skipped_before()  # a skipped step is a step for the strategy
         buffer_source = 0
         if self._join is not None and torch.is_grad_enabled():
             buffer_source = self._join.step_in(self)  # a rank that still has data
@@ -491,9 +493,12 @@ class _StrategyMoments:
     rank's gradients, or the loop skipped the step) is still a step for the strategy:
     its after_step runs before the next training forward (or in close()), as the
     trainer calls after_step when GradScaler skips. So every rank calls after_step once
-    per synced backward, and the ranks stay in step even when a skip is decided on one
-    rank alone (GradScaler's check reads this rank's gradients, which local SGD and its
-    kind never average). Accumulate gradients inside no_sync(): each synced backward is
+    per synced backward, even when a skip is decided on one rank alone (GradScaler's
+    check reads this rank's gradients, which local SGD and its kind never average); but
+    that rank calls it later than the others, so a collective of the loop's own
+    between the step and the next forward (a logged loss all-reduced) would meet the
+    others' averaging there: such a loop decides its skips on every rank alike
+    (collectives.all_finite), as the trainer's --skip-nonfinite does. Accumulate gradients inside no_sync(): each synced backward is
     a step. A second optimizer step with no backward in between (two optimizers for one
     model, or steps inside no_sync()) is refused: after_step would run before the last
     of them. So is the loop's own call of a moment the wrapper calls: on the strategy,
@@ -527,7 +532,8 @@ class _StrategyMoments:
         self.gradient_hooks = [p.register_post_accumulate_grad_hook(on_gradient)
                                for p in ddp.module.parameters() if p.requires_grad]
         self.step_hook = register_optimizer_step_post_hook(after_optimizer_step)
-        weakref.finalize(self, self.step_hook.remove)
+        weakref.finalize(self, _unhook, self.step_hook, self.gradient_hooks, self.strategy,
+                         list(self.calls))
 
     def _refusal(self, name: str):
         strategy = self.strategy.name
@@ -582,11 +588,17 @@ class _StrategyMoments:
 
     def remove(self) -> None:
         """The hooks off the model and torch's optimizers, the strategy's methods back."""
-        for hook in self.gradient_hooks:
-            hook.remove()
-        self.step_hook.remove()
-        for name in self.calls:
-            vars(self.strategy).pop(name, None)
+        _unhook(self.step_hook, self.gradient_hooks, self.strategy, list(self.calls))
+
+
+def _unhook(step_hook, gradient_hooks, strategy: SyncStrategy, names: List[str]) -> None:
+    """What _StrategyMoments put in place, taken away: by close(), or when a wrapper
+    dropped without close() is collected (so the strategy can serve another)."""
+    step_hook.remove()
+    for hook in gradient_hooks:
+        hook.remove()
+    for name in names:
+        vars(strategy).pop(name, None)
 
 
 class _JoinState:

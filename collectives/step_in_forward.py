@@ -202,13 +202,16 @@ class StepInForward:
         return self.bucketer.handed_off
 
     def close(self) -> None:
-        """Remove the hooks (after a flush); the model takes no more steps in forward."""
-        self.flush()
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-        if self.ddp.stepper is self:
-            self.ddp.stepper = None
+        """Remove the hooks (after a flush, even a failed one); the model takes no more
+        steps in forward."""
+        try:
+            self.flush()
+        finally:
+            for hook in self._hooks:
+                hook.remove()
+            self._hooks = []
+            if self.ddp.stepper is self:
+                self.ddp.stepper = None
 
     # --- the wrapped optimizer's step pre-hook ---------------------------------------
     def _own_step(self, optimizer: torch.optim.Optimizer) -> None:
