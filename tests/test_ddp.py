@@ -124,7 +124,8 @@ def test_accumulation_with_parameters_used_in_some_passes_equals_torch_ddp(
 
 
 @pytest.mark.timeout(120)
-def test_bool_and_complex_buffers_are_broadcast_from_rank_0():
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_bool_and_complex_buffers_are_broadcast_from_rank_0(world_size):
     """A causal mask (bool) and rotary frequencies (complex64): rank 0's on every rank,
     when wrapping and before each forward, as torch's DDP broadcasts them."""
     from checks_ddp import MaskAndFrequencies, bool_and_complex_buffers_come_from_rank_0
@@ -132,6 +133,6 @@ def test_bool_and_complex_buffers_are_broadcast_from_rank_0():
     when_wrapped = rank_0s.buffer_values()
     rank_0s.redraw(seed=10)
     for rank, (after_wrapping, after_forward) in enumerate(
-            run_world(bool_and_complex_buffers_come_from_rank_0, 2, timeout=100)):
+            run_world(bool_and_complex_buffers_come_from_rank_0, world_size, timeout=100)):
         assert after_wrapping == when_wrapped, f"rank {rank} after wrapping"
         assert after_forward == rank_0s.buffer_values(), f"rank {rank} after a forward"

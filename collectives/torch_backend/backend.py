@@ -208,7 +208,6 @@ class CollectivesBackend(dist._Backend):
                     check_movable(tensor._values(), "all_reduce")
                 else:
                     check_reduction(tensor, op, factor, "all_reduce")
-                    check_own_memory(tensor, "all_reduce")  # written in place
         if sparse:
             gather = self.algorithm["all_gather"]
             return self._submit("all_reduce", lambda: [
@@ -224,7 +223,6 @@ class CollectivesBackend(dist._Backend):
             op, factor = reduce_op(op_of(opts))
             for tensor in tensors:
                 check_reduction(tensor, op, factor, "all_reduce_coalesced")
-                check_own_memory(tensor, "all_reduce_coalesced")
         algorithm = self.algorithm["all_reduce"]
         return self._submit("all_reduce_coalesced", lambda: all_reduce_coalesced(
             tensors, op, factor, algorithm, self.comm), list(tensors), opts=opts)
@@ -236,8 +234,6 @@ class CollectivesBackend(dist._Backend):
             check_root(root, self.comm.world_size, "reduce")
             for tensor in tensors:
                 check_reduction(tensor, op, factor, "reduce")
-                if self.comm.rank == root:  # the root's is written in place
-                    check_own_memory(tensor, "reduce")
         algorithm = self.algorithm["all_reduce"]
 
         def run():
@@ -307,8 +303,6 @@ class CollectivesBackend(dist._Backend):
             check_root(root, self.comm.world_size, "broadcast")
             for tensor in tensors:
                 check_movable(tensor, "broadcast")
-                if self.comm.rank != root:  # written in place where it is received
-                    check_own_memory(tensor, "broadcast")
         return self._submit("broadcast", lambda: [self._broadcast_one(t, root)
                                                   for t in tensors],
                             list(tensors), opts=opts)
