@@ -12,6 +12,7 @@ import torchvision
 from torch import nn
 
 import collectives
+from trainer.tasks.gpt import build_gpt
 
 STEPS = 5
 BATCH = 4
@@ -43,6 +44,8 @@ def make_model(kind, hidden=32):
     torch.manual_seed(0)
     if kind == "resnet18":
         return torchvision.models.resnet18(num_classes=10).to(DTYPE)
+    if kind == "gpt":  # the trainer's byte-level transformer: tied embedding and head
+        return build_gpt("gpt-nano").to(DTYPE)
     return BranchyMLP(hidden).to(DTYPE)
 
 
@@ -53,6 +56,9 @@ def batch(kind, rank, world_size, step):
     if kind == "resnet18":
         x = torch.randn(n, 3, 32, 32, generator=generator, dtype=DTYPE)
         y = torch.randint(0, 10, (n,), generator=generator)
+    elif kind == "gpt":  # windows of bytes, each target the byte after its input
+        text = torch.randint(0, 256, (n, 33), generator=generator)
+        x, y = text[:, :-1], text[:, 1:]
     else:
         x = torch.randn(n, 20, generator=generator, dtype=DTYPE)
         y = torch.randint(0, 5, (n,), generator=generator)
@@ -67,18 +73,29 @@ def branch_choice(branches, step, rank):
     return False
 
 
+def loss_of(outputs, targets):
+    """Cross-entropy over every prediction (a language model's: every position)."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
 def train(model, rank, world_size, kind, branches="none", accumulate=1, steps=STEPS):
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    if kind == "gpt":  # as language models train: AdamW, gradients clipped
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95),
+                                      weight_decay=0.1)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     for step in range(steps):
         optimizer.zero_grad()
         for micro in range(accumulate):
             x, y = batch(kind, rank, world_size, step * accumulate + micro)
-            kwargs = {} if kind == "resnet18" else {
+            kwargs = {} if kind in ("resnet18", "gpt") else {
                 "use_b": branch_choice(branches, step * accumulate + micro, rank)}
             last = micro == accumulate - 1
             context = model.no_sync() if not last else _nothing()
             with context:
-                F.cross_entropy(model(x, **kwargs), y).backward()
+                loss_of(model(x, **kwargs), y).backward()
+        if kind == "gpt":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
     return model
 

@@ -4,7 +4,7 @@ from torch import nn
 
 import collectives
 from collectives import sync
-from trainer.loop.data import make_shapes
+from trainer.tasks.image_data import make_shapes
 from checks_sync import step_once
 
 

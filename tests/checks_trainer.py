@@ -21,6 +21,7 @@ from torch import nn
 
 import collectives
 from trainer.loop import train
+from trainer.tasks.images import ImageClassification
 
 
 def tiny_model(arch, channels, num_classes, image_size):
@@ -32,12 +33,22 @@ def tiny_model(arch, channels, num_classes, image_size):
         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, num_classes))
 
 
+def image_models_made_by(make):
+    """The image task's build_model, making `make(arch, channels, classes, size)`."""
+    def build_model(task):
+        split = task.split
+        return make(task.args.arch, split.channels, split.num_classes, split.image_size)
+    return build_model
+
+
 @contextlib.contextmanager
-def trainer_on(comm, keep_every_epoch=False):
+def trainer_on(comm, keep_every_epoch=False, image_model=tiny_model):
     """train.train() runs on `comm` (it neither connects nor disconnects) and builds
-    tiny_model; keep_every_epoch: rank 0 also copies each epoch's checkpoint to
-    epoch<N>.pt beside it, so that one run leaves the checkpoint of every epoch."""
-    saved = train.connect, train.build_model, train.save_checkpoint, collectives.destroy
+    `image_model` for images (a language model is the trainer's own); keep_every_epoch:
+    rank 0 also copies each epoch's checkpoint to epoch<N>.pt beside it, so that one run
+    leaves the checkpoint of every epoch."""
+    saved = (train.connect, ImageClassification.build_model, train.save_checkpoint,
+             collectives.destroy)
 
     def save_and_keep(run, epoch, *rest):
         saved[2](run, epoch, *rest)
@@ -46,20 +57,23 @@ def trainer_on(comm, keep_every_epoch=False):
             shutil.copy(os.path.join(folder, "checkpoint.pt"),
                         os.path.join(folder, f"epoch{epoch}.pt"))
 
-    train.connect, train.build_model = (lambda args: comm), tiny_model
+    train.connect = lambda args: comm
+    ImageClassification.build_model = image_models_made_by(image_model)
     train.save_checkpoint, collectives.destroy = save_and_keep, (lambda: None)
     try:
         yield
     finally:
-        train.connect, train.build_model, train.save_checkpoint, collectives.destroy = saved
+        (train.connect, ImageClassification.build_model, train.save_checkpoint,
+         collectives.destroy) = saved
 
 
 def straight_and_resumed(comm, folder, flags, epochs):
     """Two runs of `epochs` epochs with the same flags: one straight through, keeping
     every epoch's checkpoint (in folder/straight), and one resumed from the straight
     run's first checkpoint (writing folder/resumed), as a run killed in epoch 2 and
-    started again with --resume would be. The caller compares the last checkpoints."""
-    common = [*flags, "--epochs", str(epochs)]
+    started again with --resume would be (epochs None: the flags say how long, as a
+    language model's --steps do). The caller compares the last checkpoints."""
+    common = [*flags, *(["--epochs", str(epochs)] if epochs else [])]  # text: --steps
     with trainer_on(comm, keep_every_epoch=True):
         train.train([*common, "--checkpoint-dir", os.path.join(folder, "straight")])
     comm.barrier()  # rank 0 has written epoch1.pt
@@ -92,7 +106,7 @@ def train_then_eval_only(comm, flags, folder):
     and saves this rank's replica, as training left it, to folder/rank<R>.pt.
     """
     scores, trained, untouched = [], {}, []
-    real_train_one_epoch, real_evaluate = train.train_one_epoch, train.evaluate
+    real_train_one_epoch, real_evaluate = train.train_one_epoch, ImageClassification.evaluate
     real_summarise_epoch = train.summarise_epoch
 
     def train_one_epoch(run, epoch):
@@ -102,9 +116,9 @@ def train_then_eval_only(comm, flags, folder):
         return result
 
     def evaluate(*args, **kwargs):
-        accuracy, loss = real_evaluate(*args, **kwargs)
-        scores.append((accuracy, loss))
-        return accuracy, loss
+        figures = real_evaluate(*args, **kwargs)
+        scores.append((figures["test_acc"], figures["test_loss"]))
+        return figures
 
     def summarise_epoch(run, epoch, *args, **kwargs):
         untouched.append(same_state(copy_state(run.model), trained[epoch]))
@@ -115,7 +129,7 @@ def train_then_eval_only(comm, flags, folder):
     with mock.patch.object(train, "connect", lambda args: comm), \
             mock.patch.object(collectives, "destroy", lambda: None), \
             mock.patch.object(train, "train_one_epoch", train_one_epoch), \
-            mock.patch.object(train, "evaluate", evaluate), \
+            mock.patch.object(ImageClassification, "evaluate", evaluate), \
             mock.patch.object(train, "summarise_epoch", summarise_epoch), \
             contextlib.redirect_stdout(printed):
         train.train([*flags, "--epochs", "1", "--checkpoint-dir", os.path.dirname(checkpoint)])
@@ -185,7 +199,6 @@ def overflowing_first_backward(comm, folder, flags):
         return model
 
     os.chdir(folder)
-    with trainer_on(comm), mock.patch.object(train, "build_model",
-                                             model_whose_first_backward_overflows):
+    with trainer_on(comm, image_model=model_whose_first_backward_overflows):
         train.train(flags)
     return "ok"

@@ -16,8 +16,9 @@ from checks_peers import (background_when_the_window_closes, bytes_sent_per_step
                           every_peer_learns, ours_equal_torch_where_the_math_is_the_same)
 from distributed import run_world
 from launchers import python, run
-from trainer import compare
+from trainer import bench, compare
 from trainer.bench import aligned_warmup
+from trainer.tasks import text
 from trainer.timing import WaitClock
 
 
@@ -140,6 +141,35 @@ def test_warmup_is_aligned_to_whole_periods():
     assert aligned_warmup(11, 4, 10) == 14
 
 
+def test_bench_trains_every_model_of_the_trainer_as_its_task_does():
+    """A gpt-* trains on windows of random bytes (16 by default), each position's next
+    byte its target, with AdamW at the language task's defaults; a ResNet on random
+    images (32), with SGD; the loss is the tasks' cross-entropy either way."""
+    from trainer.tasks import MODELS
+    assert bench.parse_args(["--model", "gpt-nano"]).batch_size == 16
+    assert bench.parse_args([]).batch_size == 32
+    assert bench.parse_args(["--model", "gpt-tiny", "--batch-size", "3"]).batch_size == 3
+    assert all(bench.build_parser().parse_args(["--model", name]).model == name
+               for name in MODELS)
+    work = bench.build_workload("gpt-nano", 3, torch.device("cpu"))
+    assert work.inputs.shape == work.targets.shape == (3, 32)
+    assert work.inputs.dtype == torch.int64 and 0 <= int(work.inputs.min()) <= int(
+        work.inputs.max()) < 256
+    (group,) = work.optimizer.param_groups
+    assert isinstance(work.optimizer, torch.optim.AdamW)
+    assert (group["lr"], group["weight_decay"]) == (3e-3, 0.1)
+    outputs = work.model(work.inputs)
+    expected = torch.nn.functional.cross_entropy(outputs.reshape(-1, 256),
+                                                 work.targets.reshape(-1))
+    assert torch.equal(work.loss(outputs), expected)
+    assert (work.units, work.units_per_sample, work.throughput_key) == (
+        "tok", 32, "tokens_per_s")
+    images = bench.build_workload("resnet18", 2, torch.device("cpu"))
+    assert images.inputs.shape == (2, 1, 28, 28) and images.targets.shape == (2,)
+    assert isinstance(images.optimizer, torch.optim.SGD)
+    assert (images.units_per_sample, images.throughput_key) == (1, "images_per_s")
+
+
 @pytest.mark.timeout(240)
 def test_bench_times_local_sgd_over_whole_periods_with_its_averaging(tmp_path):
     """2 timed steps asked for: a period-8 strategy is timed over 8, and the bytes show
@@ -236,6 +266,96 @@ def test_compare_writes_table_plot_and_every_jobs_epochs(tmp_path, monkeypatch):
     jobs = [json.loads(line) for line in open(tmp_path / "cmp.jsonl")]
     assert [job["sync"] for job in jobs] == ["ddp", "bf16"]
     assert [e["test_acc"] for e in jobs[1]["epochs"]] == [0.95, 0.97]
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
+
+
+def language_records(bits_per_byte):
+    """A language model's --metrics records, one per evaluation (every 50 steps)."""
+    return [dict(epoch=e + 1, step=50 * (e + 1), train_seconds=10.0, comm_bytes=2**20 * 50,
+                 steps=50, tokens_per_s=1000.0, test_bpb=b, test_loss=b * 0.693,
+                 test_ppl=2 ** b, sent_total=2**20 * 50 * (e + 1),
+                 train_seconds_total=10.0 * (e + 1))
+            for e, b in enumerate(bits_per_byte)]
+
+
+def test_compare_scores_a_language_model_by_held_out_bits_per_byte(tmp_path, monkeypatch,
+                                                                   capsys):
+    """--model gpt-*: the score is held-out bits per byte, lower is better, the target
+    2.5 unless --target says; throughput in tokens/s; the plot's y axis bits per byte.
+    The records decide too, where the flags do not name the model."""
+    def fake_job(entry, args, trainer_flags, folder):
+        assert trainer_flags[:2] == ["--model", "gpt-nano"]
+        job = {"sync": entry, "wall_s": 25.0, "epochs": language_records(
+            {"allreduce": (3.1, 2.4), "diloco": (2.7, 2.6), "ddp": (3.5,)}[entry])}
+        if entry == "ddp":
+            job["failed"] = "exit 1: rank 1 lost"
+        return job
+    monkeypatch.setattr(compare, "run_one", fake_job)
+    out = tmp_path / "cmp"
+    assert compare.main(["--sync", "allreduce,diloco,ddp", "--launcher", "torchrun",
+                         "--model", "gpt-nano", "--out", str(out)]) == 1
+    lines = (tmp_path / "cmp.md").read_text().splitlines()
+    assert lines[2] == ("| sync | final held-out bits/byte | time to 2.5 bits/byte (s) | "
+                        "training time (s) | evaluations | tokens/s | MiB sent per rank per "
+                        "step | wall time (s) |"), lines
+    assert "| allreduce | 2.400 | 20 | 20 | 2 | 1000.0 | 1.00 | 25 |" in lines
+    assert "| diloco | 2.600 | not reached | 20 | 2 | 1000.0 | 1.00 | 25 |" in lines
+    assert "| ddp | failed after 1 evaluation | | | | | | 25 |" in lines
+    assert (tmp_path / "cmp.png").stat().st_size > 10_000
+    assert compare.main(["--sync", "diloco", "--launcher", "torchrun", "--model", "gpt-nano",
+                         "--target", "2.65", "--out", str(out)]) == 0
+    assert "| diloco | 2.600 | 20 | 20 | 2 | 1000.0 | 1.00 | 25 |" in (
+        tmp_path / "cmp.md").read_text().splitlines()
+    # from the records alone, and drawn: bits per byte as they are, the target's line
+    row = compare.summarize({"sync": "allreduce", "wall_s": 1.0,
+                             "epochs": language_records((3.1, 2.4))}, 2.5)
+    assert (row["score"], row["final"], row["time_to_target_s"]) == ("test_bpb", 2.4, 20.0)
+    by_time, by_bytes = compare.draw([row], 2.5).axes
+    assert by_time.get_ylabel() == by_bytes.get_ylabel() == "held-out bits per byte"
+    drawn = {tuple(line.get_ydata()) for line in by_time.get_lines()}
+    assert (3.1, 2.4) in drawn and (2.5, 2.5) in drawn
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:  # the trainer's own reading, before any job
+        compare.main(["--sync", "allreduce", "--launcher", "torchrun", "--model", "gpt-huge"])
+    assert stopped.value.code == 2
+    assert "invalid choice: 'gpt-huge'" in capsys.readouterr().err.splitlines()[-1]
+
+
+def small_text_folder(folder) -> str:
+    """40 of the standard library's modules under `folder`, two of them held out (the
+    trainer holds out a file by a checksum of its name): a few hundred KB to read, where
+    the default dataset reads 12 MB a run."""
+    root = os.path.dirname(os.__file__)
+    flat = lambda name: name.replace(os.sep, "_")  # noqa: E731
+    names = text.stdlib_files(root)
+    held = [name for name in names if text.held_out(flat(name))][:2]
+    kept = [name for name in names[::10] if not text.held_out(flat(name))][:38]
+    os.makedirs(folder, exist_ok=True)
+    for name in held + kept:
+        with open(os.path.join(root, name), "rb") as source, \
+                open(os.path.join(folder, flat(name)), "wb") as copy:
+            copy.write(source.read())
+    return str(folder)
+
+
+@pytest.mark.timeout(200)
+def test_compare_runs_language_model_jobs_on_a_text_folder(tmp_path):
+    """One real job: gpt-nano on 2 ranks, 4 steps, an evaluation every 2; the table
+    scores it by the held-out bits per byte the trainer recorded, against 2.5."""
+    data, out = small_text_folder(tmp_path / "text"), tmp_path / "cmp"
+    run(python("-m", "trainer.compare", "--launcher", "mpirun", "--nproc", "2", "--sync",
+               "allreduce", "--model", "gpt-nano", "--dataset", "text", "--data-dir", data,
+               "--steps", "4", "--eval-every", "2", "--batch-size", "4",
+               "--test-samples", "8", "--out", str(out)), timeout=180)
+    (job,) = [json.loads(line) for line in open(tmp_path / "cmp.jsonl")]
+    assert [record["step"] for record in job["epochs"]] == [2, 4]
+    bpb = [record["test_bpb"] for record in job["epochs"]]
+    assert all(0 < b < 9 for b in bpb), bpb
+    lines = (tmp_path / "cmp.md").read_text().splitlines()
+    assert "| final held-out bits/byte | time to 2.5 bits/byte (s) |" in lines[2]
+    cells = [cell.strip() for cell in lines[4].split("|")[1:-1]]
+    assert cells[0] == "allreduce" and cells[1] == f"{bpb[-1]:.3f}" and cells[4] == "2", cells
+    assert float(cells[5]) > 0  # tokens/s
     assert (tmp_path / "cmp.png").stat().st_size > 10_000
 
 

@@ -21,6 +21,13 @@ def test_resnet18_with_batchnorm_equals_torch_ddp(world_size):
 
 
 @pytest.mark.timeout(200)
+def test_the_language_model_with_adamw_equals_torch_ddp():
+    # the byte-level GPT (tied embedding and head, attention), AdamW, clipped gradients;
+    # float64, 2 ranks, our parameters bitwise the same on both
+    assert_same_on_every_rank(run_world(compare_with_torch_ddp, 2, ("gpt",), timeout=180))
+
+
+@pytest.mark.timeout(200)
 @pytest.mark.parametrize("world_size", [2, 3, 4])
 @pytest.mark.parametrize("branches", ["together", "by-rank"])
 def test_unused_branch_equals_torch_ddp(world_size, branches):

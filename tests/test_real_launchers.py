@@ -66,7 +66,9 @@ total = torch.ones(1)
 collectives.all_reduce(total)
 if attempt == 1 and comm.rank == 1:
     os._exit(3)
-print(f"attempt {attempt} rank {comm.rank} sum {total.item():g}", flush=True)
+# one write of the whole line: print() with PYTHONUNBUFFERED writes the newline apart,
+# and the other rank's line can land between the two
+os.write(1, f"attempt {attempt} rank {comm.rank} sum {total.item():g}\n".encode())
 """
 
 

@@ -117,13 +117,15 @@ def write_trace(directory, events):
     (directory / "trace.json").write_text(json.dumps({"traceEvents": full}))
 
 
-def hand_made_trace(directory, sync="allreduce"):
+def hand_made_trace(directory, sync="allreduce", **step_args):
     """forward 0-100 ms, backward 100-700 (its last 150 ms waiting), one bucket of 2e8
-    bytes ready at 400 ms (queued 50 ms), its all-reduce 70 ms within 80, optimizer 30."""
+    bytes ready at 400 ms (queued 50 ms), its all-reduce 70 ms within 80, optimizer 30.
+    The step's args: batch 4, no model, unless `step_args` say otherwise (None: left out)."""
     main, comm = 1, 2
+    args = {key: value for key, value in {"step": 1, "sync": sync, "batch": 4,
+                                          **step_args}.items() if value is not None}
     write_trace(directory, [
-        dict(name="step 1", cat="step", tid=main, ts=0, dur=760_000,
-             args=dict(step=1, sync=sync, batch=4)),
+        dict(name="step 1", cat="step", tid=main, ts=0, dur=760_000, args=args),
         dict(name="forward", cat="compute", tid=main, ts=0, dur=100_000),
         dict(name="broadcast native", cat="comm", tid=main, ts=1_000, dur=2_000,
              args=dict(bytes=1000)),
@@ -178,6 +180,7 @@ def test_command_errors_are_one_line(tmp_path, capsys):
         (["--trace", str(traced), "--ranks", "8,12", "--ranks-per-host", "8"],
          "not a multiple of --ranks-per-host"),
         (["--trace", str(traced), "--ranks", "8,x"], "bad --ranks"),
+        (["--trace", str(traced), "--model", "gpt-huge"], "not a model of the trainer"),
     ]
     for argv, message in cases:
         with pytest.raises(SystemExit) as exit:
@@ -195,6 +198,33 @@ def replayed(directory, *argv) -> list:
     assert replay.main(["--trace", str(directory), "--constants", str(constants),
                         "--json", str(rows_file), *argv]) == 0
     return [json.loads(line) for line in rows_file.read_text().splitlines()]
+
+
+def test_a_language_model_s_trace_is_counted_in_tokens(tmp_path, capsys):
+    """A trace of trainer.bench --model gpt-nano: each sample a window of its context (32
+    bytes), so a row counts batch x 32 tokens a step, under tok/s; without a batch in
+    the trace, bench's 16 windows. A trace that names no model is images, unless
+    --model names it; --model against the trace's own is refused."""
+    hand_made_trace(tmp_path, model="gpt-nano")
+    (row,) = replayed(tmp_path, "--ranks", "2", "--ranks-per-host", "1")
+    assert row["model"] == "gpt-nano" and "images_per_s" not in row
+    assert row["tokens_per_s"] == pytest.approx(2 * 4 * 32 / (row["step_ms"] / 1e3))
+    out = capsys.readouterr().out.splitlines()
+    assert "(gpt-nano)" in out[0] and "tok/s" in out[1].split(), out
+    hand_made_trace(tmp_path, model="gpt-nano", batch=None)
+    (row,) = replayed(tmp_path, "--ranks", "2", "--ranks-per-host", "1")
+    assert row["batch_size"] == 16
+    assert "16 windows of 32 bytes per rank assumed" in capsys.readouterr().out
+    hand_made_trace(tmp_path)  # no model: images, unless --model says
+    (images,) = replayed(tmp_path, "--ranks", "2", "--ranks-per-host", "1")
+    assert images["images_per_s"] == pytest.approx(2 * 4 / (images["step_ms"] / 1e3))
+    assert "images assumed (--model)" in capsys.readouterr().out
+    (row,) = replayed(tmp_path, "--ranks", "2", "--ranks-per-host", "1", "--model", "gpt-nano")
+    assert row["tokens_per_s"] == pytest.approx(32 * images["images_per_s"])
+    hand_made_trace(tmp_path, model="gpt-tiny")
+    with pytest.raises(SystemExit):
+        replayed(tmp_path, "--model", "gpt-nano")
+    assert "--model gpt-nano: the trace is of gpt-tiny" in capsys.readouterr().err
 
 
 def test_a_strategy_not_modelled_says_so_and_gives_no_number(tmp_path, capsys):
@@ -215,22 +245,32 @@ def test_the_command_on_a_hand_made_trace(tmp_path, capsys):
 
 
 @pytest.mark.timeout(300)
-def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
-    """trainer.bench traces 2 ranks of ResNet-18 (batch 2, one step each); the
-    prediction has a row per strategy and rank count."""
-    trace_dir = tmp_path / "trace"
+@pytest.mark.parametrize("model, counted, per_sample", [("resnet18", "images_per_s", 1),
+                                                        ("gpt-nano", "tokens_per_s", 32)])
+def test_end_to_end_on_a_tiny_bench_trace(tmp_path, model, counted, per_sample):
+    """trainer.bench traces 2 ranks of ResNet-18, or of the byte-level GPT (batch 2, one
+    step each); the prediction has a row per strategy and rank count, counting images
+    or tokens (a gpt-nano window: 32 bytes) as the bench's own rows do."""
+    trace_dir, bench_rows = tmp_path / "trace", tmp_path / "bench.jsonl"
     # (not ddp-powersgd: traced beside another sync it aborted some runs here with
     # gloo's "Received data size doesn't match expected size", a collective order
     # mismatch between the ranks; untraced, or alone, it passed. Cause not found.)
     syncs = "allreduce,powersgd,local-sgd,ddp"  # (bf16's are checked on hand-made traces)
-    run(python("-m", "trainer.bench", "--nproc", "2", "--sync", syncs, "--batch-size", "2",
-               "--steps", "1", "--rounds", "1", "--warmup", "1", "--trace-steps", "1",
-               "--trace", str(trace_dir)), timeout=240)
-    # PowerSGD's all-reduces, as traced, are the ones its layout gives for ResNet-18
-    from trainer.loop.networks import build_model
-    traced = profile_from_trace(str(trace_dir))["powersgd"].collectives
-    assert [n for what, _, n in traced if what == "all_reduce"] == list(
-        replay.powersgd_bytes(build_model("resnet18", 1, 10, 28), rank=2))
+    bench = run(python("-m", "trainer.bench", "--nproc", "2", "--sync", syncs, "--model", model,
+                       "--batch-size", "2", "--steps", "1", "--rounds", "1", "--warmup", "1",
+                       "--trace-steps", "1", "--trace", str(trace_dir),
+                       "--json", str(bench_rows)), timeout=240)
+    header = bench.stdout.splitlines()[1].split()
+    assert header[1] == {"images_per_s": "img/s", "tokens_per_s": "tok/s"}[counted], header
+    for row in map(json.loads, bench_rows.read_text().splitlines()):
+        assert row["model"] == model and row["batch_size"] == 2, row
+        assert row[counted] == pytest.approx(2 * 2 * per_sample / (row["step_ms"] / 1e3))
+    # PowerSGD's all-reduces, as traced, are the ones its layout gives for the traced model
+    from trainer.bench import build_model
+    powersgd = profile_from_trace(str(trace_dir))["powersgd"]
+    assert powersgd.model == model
+    assert [n for what, _, n in powersgd.collectives if what == "all_reduce"] == list(
+        replay.powersgd_bytes(build_model(powersgd.model), rank=2))
     constants = tmp_path / "c.json"
     constants.write_text(json.dumps({"constants": {
         "local": {"alpha": 2e-5, "beta": 2e-10}, "network": {"alpha": 5e-5, "beta": 8.5e-10},
@@ -250,7 +290,9 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path):
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     modelled = [r for r in rows if r["modelled"]]
     assert len(modelled) == len(rows) == 4 * 3
-    assert all(r["batch_size"] == 2 and r["step_ms"] > 0 for r in modelled)
+    for r in modelled:
+        assert r["model"] == model and r["batch_size"] == 2 and r["step_ms"] > 0, r
+        assert r[counted] == pytest.approx(r["ranks"] * 2 * per_sample / (r["step_ms"] / 1e3))
     assert picture.stat().st_size > 0
 
 

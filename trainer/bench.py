@@ -2,6 +2,7 @@
 
     python -m trainer.bench --nproc 4 --sync allreduce,ddp --model resnet18 \\
         --batch-size 32 --steps 8 --json bench.jsonl
+    python -m trainer.bench --nproc 4 --sync allreduce,ddp,powersgd --model gpt-tiny
     torchrun --nproc-per-node 4 -m trainer.bench          (or under mpirun: no --nproc)
     python -m collectives.cluster --hosts 4 --bandwidth 100mbit -- python -m trainer.bench \\
         --sync allreduce,ddp,bf16,ddp-bf16,powersgd,ddp-powersgd,local-sgd,ddp-localsgd
@@ -9,8 +10,15 @@
 Each --sync is one of our strategies (inside collectives.DistributedDataParallel) or
 one of torch's peers (trainer/torch_peers.py: ddp, ddp-collectives, ddp-fp16,
 ddp-bf16, ddp-powersgd, ddp-localsgd), with its options after colons as the trainer
-takes them (local-sgd:period=4); --sync-option KEY=VALUE gives one to every --sync. On
-random 28x28 images with the trainer's model it measures:
+takes them (local-sgd:period=4); --sync-option KEY=VALUE gives one to every --sync.
+
+--model is any of the trainer's (trainer/tasks/), trained on random data, the same on
+every rank and every step (`Workload`): a ResNet on --batch-size one-channel 28x28
+images of 10 classes (default 32) with SGD (lr 0.01, momentum 0.9); a gpt-* on
+--batch-size windows of random bytes as long as its context (default 16), a random
+byte the target at every position, with AdamW (lr 3e-3, weight decay 0.1), the
+language task's defaults. The loss is the tasks' cross-entropy. Each traced step names
+the model and the batch (trainer.replay counts images or tokens by them). It measures:
 
     step_ms       the mean training step: forward, backward with communication,
                   optimizer, and the strategy's moments. A periodic strategy
@@ -49,7 +57,9 @@ random 28x28 images with the trainer's model it measures:
                   compute cannot have). Work done on the training thread is not in
                   it: torch's bf16 hook casts there, ours on its communication thread;
                   local SGD averages there
-    images_per_s  world_size x batch size / step_ms
+    images_per_s  (a ResNet; "img/s" in the table) world_size x batch size / step_ms
+    tokens_per_s  (a gpt-*; "tok/s" in the table) world_size x batch size x context /
+                  step_ms: the bytes predicted per second
     bucket_mb     the buckets in use, first/later in MiB (--bucket-mb auto: as chosen
                   during the warm-up; torch's rows: torch's 1 MiB first bucket and cap)
     mb_per_step   megabytes this rank sent per step: on the emulated cluster its host's
@@ -70,6 +80,7 @@ import json
 import math
 import sys
 import time
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -80,7 +91,9 @@ from collectives import trace
 from collectives.launch import add_local_rank_argument
 from . import torch_peers
 from .loop.cli import bucket_size, build_sync, parse_sync, sync_option
-from .loop.networks import ARCHITECTURES, build_model
+from .tasks import MODELS, kind_of, optimizers
+from .tasks.gpt import SIZES as GPT_SIZES, VOCABULARY, build_gpt
+from .tasks.resnets import build_model as build_resnet
 from .timing import SentBytes, WaitClock, background_comm_seconds, drain_background
 
 
@@ -125,15 +138,74 @@ def aligned_warmup(wanted: int, period: int, warmup_steps: int) -> int:
     return warmup_steps + math.ceil((wanted - warmup_steps) / period) * period
 
 
+# --- what is trained --------------------------------------------------------------------
+
+DEFAULT_BATCH = {"images": 32, "language": 16}  # samples per rank, as the trainer's tasks
+
+
+def build_model(name: str) -> torch.nn.Module:
+    """The model `name` as the bench trains it: a gpt-* at its size (trainer/tasks/gpt.py),
+    or a ResNet for one-channel 28x28 images of 10 classes."""
+    if kind_of(name) == "language":
+        return build_gpt(name)
+    return build_resnet(name, 1, 10, 28)
+
+
+def cross_entropy(outputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """The tasks' loss (trainer/tasks/images.py, language.py): the mean cross-entropy of
+    every prediction, an image's class (outputs (B, 10), targets (B,)) or each position's
+    next byte (outputs (B, T, 256), targets (B, T)), in one formula."""
+    return F.cross_entropy(outputs.reshape(-1, outputs.shape[-1]), targets.reshape(-1))
+
+
+class Workload(NamedTuple):
+    """What one variant trains: the model, one batch of random data that every step
+    reuses, the optimizer, and what its throughput counts."""
+    model: torch.nn.Module
+    inputs: torch.Tensor            # images (B, 1, 28, 28), or bytes (B, context)
+    targets: torch.Tensor           # classes (B,), or a byte for each position (B, context)
+    optimizer: torch.optim.Optimizer
+    units: str                      # what throughput counts, for the table: "img", "tok"
+    units_per_sample: int           # 1 image, or a window's context bytes
+    throughput_key: str             # the row's key: "images_per_s", "tokens_per_s"
+
+    def loss(self, outputs: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(outputs, self.targets)
+
+
+def build_workload(name: str, batch_size: int, device) -> Workload:
+    """The model `name` from seed 0 (every variant and every rank starts alike), its
+    random batch and its optimizer: SGD for a ResNet, AdamW for a gpt-*."""
+    torch.manual_seed(0)
+    model = build_model(name).to(device)
+    params = list(model.parameters())
+    if kind_of(name) == "language":
+        context = GPT_SIZES[name].context
+        inputs = torch.randint(0, VOCABULARY, (batch_size, context))
+        targets = torch.randint(0, VOCABULARY, (batch_size, context))
+        optimizer = optimizers.build("adamw", params, [], lr=3e-3, momentum=0.0,
+                                     weight_decay=0.1)
+        return Workload(model, inputs.to(device), targets.to(device), optimizer,
+                        "tok", context, "tokens_per_s")
+    inputs = torch.randn(batch_size, 1, 28, 28)
+    targets = torch.randint(0, 10, (batch_size,))
+    optimizer = optimizers.build("sgd", params, [], lr=0.01, momentum=0.9, weight_decay=0.0)
+    return Workload(model, inputs.to(device), targets.to(device), optimizer,
+                    "img", 1, "images_per_s")
+
+
+# --- one sync, timed ---------------------------------------------------------------------
+
 class Variant:
     """One sync's model, optimizer, and what is timed for it."""
 
     def __init__(self, comm, entry, args):
         self.name = entry  # the row's name: the sync and its options, as given
+        self.model_name = args.model
         sync_name, options = split_entry(entry)
         self.trace_left = args.trace_steps if args.trace else 0  # steps still to trace
-        torch.manual_seed(0)
-        self.model = build_model(args.model, 1, 10, 28).to(comm.device)
+        self.work = build_workload(args.model, args.batch_size, comm.device)
+        self.model, self.optimizer = self.work.model, self.work.optimizer
         if torch_peers.is_peer(sync_name):
             self.strategy = torch_peers.create(sync_name, **options)
             self.wrapped = self.strategy.wrap(self.model, bucket_cap_mb=args.bucket_mb,
@@ -149,14 +221,11 @@ class Variant:
             self.wrapped = collectives.DistributedDataParallel(
                 self.model, sync=self.strategy, comm=comm, moments="loop", **sizes)
             self.buckets = "-"
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
         self.clock = WaitClock(self.model)
         self.stepper = None  # overlap=forward: the step is taken inside the next forward
         if getattr(self.strategy, "overlap", "backward") == "forward":
             self.stepper = self.wrapped.step_in_forward(
                 self.optimizer, waiting=lambda: self.clock.blocking("waiting in forward"))
-        self.images = torch.randn(args.batch_size, 1, 28, 28).to(comm.device)
-        self.labels = torch.randint(0, 10, (args.batch_size,)).to(comm.device)
         self.sent = SentBytes(comm, self.strategy)
         self.period = self.strategy.period
         self.steps_per_round = math.ceil(args.steps / self.period) * self.period
@@ -174,7 +243,7 @@ class Variant:
         and `then` (the round's last step: its drain), inside the step's span."""
         started = time.perf_counter_ns()
         with trace.span("forward", cat="compute"):
-            loss = F.cross_entropy(self.wrapped(self.images), self.labels)
+            loss = self.work.loss(self.wrapped(self.work.inputs))
         self.clock.backward(loss)
         with self.clock.blocking("after_backward"):
             self.strategy.after_backward(self.model)
@@ -187,7 +256,8 @@ class Variant:
         if then is not None:
             then()
         trace.add(f"step {self.steps_done}", "step", started, time.perf_counter_ns(),
-                  step=self.steps_done, sync=self.name, batch=len(self.labels))
+                  step=self.steps_done, sync=self.name, batch=len(self.work.inputs),
+                  model=self.model_name)
 
     def warm_up(self):
         """The untimed steps (allocations, connections, bucket rebuilds), drained: the
@@ -218,7 +288,7 @@ class Variant:
         """Forward, backward and the optimizer, with no communication and no moments
         (so a periodic strategy's step count is untouched)."""
         with self.wrapped.no_sync():
-            F.cross_entropy(self.wrapped(self.images), self.labels).backward()
+            self.work.loss(self.wrapped(self.work.inputs)).backward()
         self.optimizer.step()
         self.optimizer.zero_grad()
 
@@ -274,7 +344,8 @@ class Variant:
         (hidden_sum,) = _over_ranks(comm, [hidden], "sum")  # each rank's share, averaged
         row = dict(sync=self.name, world_size=comm.world_size, model=args.model,
                    batch_size=args.batch_size,
-                   images_per_s=comm.world_size * args.batch_size / step,
+                   **{self.work.throughput_key: comm.world_size * args.batch_size
+                      * self.work.units_per_sample / step},
                    step_ms=step * 1e3, compute_ms=compute * 1e3, waited_ms=waited * 1e3,
                    comm_ms=communicating * 1e3 if seen else None,
                    hidden_share=hidden_sum / comm.world_size if seen else None,
@@ -303,15 +374,19 @@ def rank_main(args):
     if args.trace:  # collective: measures each rank's clock offset to rank 0
         trace.start(comm, args.trace, level=args.trace_level, recording=False)
     rows = []
+    variants = [Variant(comm, name, args) for name in args.sync]
+    work = variants[0].work  # every variant's is alike: what the rows count
     if comm.rank == 0:
+        samples = ("images" if work.units_per_sample == 1
+                   else f"windows of {work.units_per_sample} bytes")
         print(f"# trainer.bench: {args.model} on {comm.device} (communication on gloo), "
-              f"{comm.world_size} ranks, batch {args.batch_size} "
+              f"{comm.world_size} ranks, batch {args.batch_size} {samples} "
               f"per rank, {args.rounds} rounds of {args.steps} timed steps each (whole "
               "periods for periodic strategies), alternating")
-        print(f"{'sync':>13} {'img/s':>7} {'step ms':>8} {'compute ms':>10} {'waited ms':>9} "
-              f"{'comm ms':>8} {'hidden':>6} {'MB/step':>8} {'steps':>5} {'events':>6} "
-              f"{'cpu ms':>7} {'comm cpu':>8} {'thread cpu':>10} {'buckets MB':>10}")
-    variants = [Variant(comm, name, args) for name in args.sync]
+        print(f"{'sync':>13} {work.units + '/s':>9} {'step ms':>8} {'compute ms':>10} "
+              f"{'waited ms':>9} {'comm ms':>8} {'hidden':>6} {'MB/step':>8} {'steps':>5} "
+              f"{'events':>6} {'cpu ms':>7} {'comm cpu':>8} {'thread cpu':>10} "
+              f"{'buckets MB':>10}")
     for variant in variants:
         variant.warm_up()
     for number in range(args.rounds):  # alternate, so drift on a shared machine hits all alike
@@ -323,7 +398,7 @@ def rank_main(args):
         if comm.rank == 0:
             comm_ms = "-" if row["comm_ms"] is None else f"{row['comm_ms']:.0f}"
             hidden = "-" if row["hidden_share"] is None else f"{row['hidden_share']:.0%}"
-            print(f"{row['sync']:>13} {row['images_per_s']:>7.1f} {row['step_ms']:>8.0f} "
+            print(f"{row['sync']:>13} {row[work.throughput_key]:>9.1f} {row['step_ms']:>8.0f} "
                   f"{row['compute_ms']:>10.0f} {row['waited_ms']:>9.0f} {comm_ms:>8} "
                   f"{hidden:>6} {row['mb_per_step']:>8.2f} {row['steps']:>5} "
                   f"{row['events']:>6} {row['cpu_ms']:>7.0f} {row['comm_cpu_ms']:>8.0f} "
@@ -360,12 +435,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-option", action="append", default=[], metavar="KEY=VALUE",
                    type=sync_option, help="an option for every --sync, repeatable, as if "
                    "written after each name")
-    p.add_argument("--model", default="resnet18", choices=ARCHITECTURES)
+    p.add_argument("--model", default="resnet18", choices=MODELS, metavar="MODEL",
+                   help="the trainer's: a ResNet (images) or a gpt-* (random bytes): "
+                        f"{', '.join(MODELS)} (default resnet18)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                    help="where each rank trains (default cpu); cuda: the ranks share the "
                         "GPUs there are, and communication (gloo, ours and torch's DDP "
                         "alike) goes through host memory")
-    p.add_argument("--batch-size", type=int, default=32, help="images per rank (default 32)")
+    p.add_argument("--batch-size", type=int,
+                   help="samples per rank: images (default 32), or for a gpt-* windows of "
+                        "its context (default 16)")
     p.add_argument("--steps", type=int, default=3,
                    help="timed steps per sync in each round (default 3)")
     p.add_argument("--rounds", type=int, default=4,
@@ -402,6 +481,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(str(error))
         args.sync[index] = ":".join([entry] + [f"{key}={value}"
                                                for key, value in args.sync_option])
+    if args.batch_size is None:
+        args.batch_size = DEFAULT_BATCH[kind_of(args.model)]
     if args.nproc < 2 or min(args.steps, args.rounds, args.batch_size) < 1:
         p.error("--nproc must be at least 2; --steps, --rounds and --batch-size at least 1")
     return args

@@ -7,6 +7,8 @@
     python -m trainer.compare --hosts 4 --bandwidth 100mbit --cpu-share node3=0.5 \\
         --link node1=10mbit --pause node2@30:10 ...    (hosts not alike)
     python -m trainer.compare --launcher torchrun --nproc 2 ...
+    python -m trainer.compare --model gpt-tiny --steps 400 --eval-every 50 \\
+        --sync allreduce,local-sgd:period=16,diloco:period=32 --target 2.5   (text)
 
 Each strategy runs as its own job, started by --launcher: `mpirun -np N python -m
 trainer ... --sync NAME` (the mpirun that matches mpi4py; the default), torchrun, or
@@ -18,18 +20,27 @@ trainer flag the same. The names are our strategies and torch's peers (ddp,
 ddp-fp16, ddp-bf16, ddp-powersgd, ddp-localsgd: trainer/torch_peers.py). A
 strategy's options follow its name after a colon, as the trainer takes them:
 `local-sgd:period=8:warmup_steps=10`; --sync-option KEY=VALUE gives one to every job.
-Flags this command does not know are passed to the trainer unchanged (--stop-at ACC
-ends each job at the first epoch that reaches ACC).
+Flags this command does not know are passed to the trainer unchanged (--stop-at SCORE
+ends each job at the first evaluation that reaches SCORE).
+
+The score is the task's, as the trainer's --model picks it (`Score`): test accuracy
+for a ResNet (higher is better; --target default 0.95), held-out bits per byte for a
+gpt-* (lower is better; --target default 2.5). The time to target is the training
+time of the first evaluation that reaches --target. A language model's evaluations
+come every --eval-every steps: they are its "epochs" below, and its throughput is in
+tokens (bytes predicted) per second.
 
 Time is training time: the sum of the epochs' training loops, without evaluation and
 start-up. Bytes are what each rank sent (on the emulated cluster: its host's NIC).
-Writes OUT.md (the table), OUT.png (test accuracy against training time and against
-MiB sent per rank, log; a torch peer dashed in the colour of our strategy with the same
+Writes OUT.md (the table), OUT.png (the score against training time and against MiB
+sent per rank, log; a torch peer dashed in the colour of our strategy with the same
 math, as trainer/torch_peers.py OURS pairs them) and OUT.jsonl (each job's epochs as the
 trainer's --metrics wrote them, one line per job), and prints the table:
 
     sync | final test acc | time to target (s) | training time (s) | epochs | images/s |
     MiB sent per rank per step | wall time (s)
+
+(a language model's: final held-out bits/byte, evaluations, tokens/s.)
 
 A job that fails is one row, "failed after N epochs", with its error printed; the jobs
 after it still run, and the command then exits with 1.
@@ -43,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, NamedTuple, Optional
 
 from collectives.cluster.network import ClusterSpec
 from collectives.cluster.options import (as_given, cpu_share_arg, link_arg, pause_arg,
@@ -51,7 +62,61 @@ from collectives.cluster.options import (as_given, cpu_share_arg, link_arg, paus
 from collectives.launch.mpirun import mpirun_command
 
 from . import torch_peers
+from .loop.cli import build_parser as trainer_parser
 from .loop.cli import build_sync, parse_sync as parse_spec, sync_option
+from .tasks import kind_of
+
+
+class Score(NamedTuple):
+    """What a comparison scores its jobs by: the task's held-out figure, as the trainer's
+    --metrics records it, and how the table and the plot show it."""
+    key: str                # each record's: "test_acc", "test_bpb"
+    column: str             # the table's heading for the last one
+    axis: str               # the plot's y axis
+    lower_is_better: bool
+    default_target: float   # --target where it is not given
+    throughput_key: str     # each record's throughput: "images_per_s", "tokens_per_s"
+    throughput: str         # its heading
+    epochs: str             # what the records are: epochs, or evaluations every N steps
+
+    def reached(self, value: float, target: float) -> bool:
+        return value <= target if self.lower_is_better else value >= target
+
+    def text(self, value: float) -> str:
+        return f"{value:.3f}" if self.lower_is_better else f"{value:.2%}"
+
+    def target_text(self, target: float) -> str:
+        return f"{target:g} bits/byte" if self.lower_is_better else f"{target:.0%}"
+
+    def plotted(self, value: float) -> float:
+        """The plot's y: a percentage, or bits per byte as they are."""
+        return value if self.lower_is_better else 100 * value
+
+
+ACCURACY = Score("test_acc", "final test acc", "test accuracy (%)", False, 0.95,
+                 "images_per_s", "images/s", "epochs")
+BITS_PER_BYTE = Score("test_bpb", "final held-out bits/byte", "held-out bits per byte",
+                      True, 2.5, "tokens_per_s", "tokens/s", "evaluations")
+SCORES = {"images": ACCURACY, "language": BITS_PER_BYTE}  # by tasks.kind_of
+
+
+def score_of_flags(trainer_flags: List[str]) -> Score:
+    """The score of the jobs these trainer flags start: their --model's task, read by the
+    trainer's own parser, so that --arch, --model=NAME and an abbreviation read as the
+    trainer reads them. A value the trainer would refuse (a model it does not have)
+    raises argparse.ArgumentError: refused once here, not once per job."""
+    reading = trainer_parser()
+    reading.exit_on_error = False  # its error is raised, for this command to print
+    flags, _ = reading.parse_known_args(trainer_flags)
+    return SCORES[kind_of(flags.arch)]
+
+
+def score_of_records(records: List[Dict], otherwise: Score = ACCURACY) -> Score:
+    """The score a job's records hold (`otherwise` where they hold none)."""
+    for score in SCORES.values():
+        if any(score.key in record for record in records):
+            return score
+    return otherwise
 
 
 # Options of the emulated cluster that make one host differ, passed on as given, and
@@ -130,43 +195,55 @@ def run_one(entry: str, args, trainer_flags: List[str], folder: str) -> Dict:
     return job
 
 
-def summarize(run: Dict, target: float) -> Dict:
-    """Cumulative training time, bytes and images after each epoch; time to target.
-    A job that failed is summarized as such, whatever epochs it finished aside."""
+def summarize(run: Dict, target: float, score: Optional[Score] = None) -> Dict:
+    """Cumulative training time, bytes and samples after each epoch (a language model's:
+    each evaluation); time to target. The score is the one the records hold (test
+    accuracy or held-out bits per byte; `score` where they hold none). A job that
+    failed is summarized as such, whatever epochs it finished aside."""
+    score = score_of_records(run["epochs"], score or ACCURACY)
     if run.get("failed"):
         return {"sync": run["sync"], "failed": True, "epochs": len(run["epochs"]),
-                "wall_s": run["wall_s"]}
-    seconds = bytes_sent = images = steps = 0.0
+                "wall_s": run["wall_s"], "score": score.key}
+    seconds = bytes_sent = samples = steps = 0.0
     reached = None
     curve = []
     for record in run["epochs"]:
         seconds += record["train_seconds"]
         bytes_sent += record["comm_bytes"]
-        images += record["images_per_s"] * record["train_seconds"]
+        samples += record[score.throughput_key] * record["train_seconds"]
         steps += record["steps"]
-        curve.append((seconds, bytes_sent / 2**20, record["test_acc"]))
-        if reached is None and record["test_acc"] >= target:
+        curve.append((seconds, bytes_sent / 2**20, record[score.key]))
+        if reached is None and score.reached(record[score.key], target):
             reached = seconds
-    return {"sync": run["sync"], "final_acc": run["epochs"][-1]["test_acc"],
-            "wall_s": run["wall_s"], "train_s": seconds, "images_per_s": images / seconds,
+    return {"sync": run["sync"], "score": score.key, "final": run["epochs"][-1][score.key],
+            "wall_s": run["wall_s"], "train_s": seconds, "per_s": samples / seconds,
             "mib_per_step": bytes_sent / 2**20 / max(steps, 1), "epochs": len(run["epochs"]),
             "time_to_target_s": reached, "curve": curve}
 
 
+def score_of_rows(rows: List[Dict]) -> Score:
+    """The score the summarized rows were scored by (test accuracy where none says)."""
+    keys = [row["score"] for row in rows if "score" in row]
+    return next((s for s in SCORES.values() if keys and s.key == keys[0]), ACCURACY)
+
+
 def table(rows: List[Dict], target: float) -> str:
-    lines = [f"| sync | final test acc | time to {target:.0%} (s) | training time (s) | epochs "
-             "| images/s | MiB sent per rank per step | wall time (s) |",
+    score = score_of_rows(rows)
+    lines = [f"| sync | {score.column} | time to {score.target_text(target)} (s) | "
+             f"training time (s) | {score.epochs} | {score.throughput} | MiB sent per rank "
+             "per step | wall time (s) |",
              "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         if row.get("failed"):
-            finished = f"{row['epochs']} epoch" + ("" if row["epochs"] == 1 else "s")
+            unit = score.epochs[:-1] if row["epochs"] == 1 else score.epochs  # 1 epoch
+            finished = f"{row['epochs']} {unit}"
             lines.append(f"| {row['sync']} | failed after {finished} "
                          f"| | | | | | {row['wall_s']:.0f} |")
             continue
         reached = (f"{row['time_to_target_s']:.0f}" if row["time_to_target_s"] is not None
                    else "not reached")
-        lines.append(f"| {row['sync']} | {row['final_acc']:.2%} | {reached} | "
-                     f"{row['train_s']:.0f} | {row['epochs']} | {row['images_per_s']:.1f} | "
+        lines.append(f"| {row['sync']} | {score.text(row['final'])} | {reached} | "
+                     f"{row['train_s']:.0f} | {row['epochs']} | {row['per_s']:.1f} | "
                      f"{row['mib_per_step']:.2f} | {row['wall_s']:.0f} |")
     return "\n".join(lines)
 
@@ -211,27 +288,29 @@ def line_styles(syncs: List[str]) -> List[Dict]:
 
 
 def draw(rows: List[Dict], target: float):
-    """The comparison's figure: test accuracy against training time (left) and against
-    MiB sent per rank on a log axis (right), the legend to the right, grouped by family."""
+    """The comparison's figure: the score (test accuracy, or held-out bits per byte)
+    against training time (left) and against MiB sent per rank on a log axis (right),
+    the legend to the right, grouped by family."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib import ticker
+    score = score_of_rows(rows)
     rows = [row for row in rows if not row.get("failed")]  # a failed job has no line
     figure, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(13, 4.8))
     lines = []
     for row, style in zip(rows, line_styles([row["sync"] for row in rows])):
-        seconds, mib, accuracy = zip(*row["curve"])
-        percent = [100 * a for a in accuracy]
-        lines.append(by_time.plot(seconds, percent, label=row["sync"], **style)[0])
+        seconds, mib, values = zip(*row["curve"])
+        shown = [score.plotted(v) for v in values]
+        lines.append(by_time.plot(seconds, shown, label=row["sync"], **style)[0])
         # A log axis has no zero: a line starts at its first epoch that sent anything.
-        sent = [(m, p) for m, p in zip(mib, percent) if m > 0]
+        sent = [(m, v) for m, v in zip(mib, shown) if m > 0]
         if sent:
             by_bytes.plot(*zip(*sent), label=row["sync"], **style)
     for axis, label in ((by_time, "training time (s)"), (by_bytes, "MiB sent per rank")):
-        axis.axhline(100 * target, color="grey", linestyle=":", linewidth=1)
+        axis.axhline(score.plotted(target), color="grey", linestyle=":", linewidth=1)
         axis.set_xlabel(label)
-        axis.set_ylabel("test accuracy (%)")
+        axis.set_ylabel(score.axis)
         axis.grid(True, alpha=0.3)
     positive = [m for row in rows for _, m, _ in row["curve"] if m > 0]
     if positive:
@@ -282,10 +361,18 @@ def main(argv=None) -> int:
     parser.add_argument("--sync-option", action="append", default=[], metavar="KEY=VALUE",
                         type=sync_option, help="an option for every job's strategy, "
                         "repeatable, as if written after each name")
-    parser.add_argument("--target", type=float, default=0.95,
-                        help="test accuracy for the time-to-target column (default 0.95)")
+    parser.add_argument("--target", type=float,
+                        help="the score of the time-to-target column: a test accuracy "
+                             "(default 0.95), or held-out bits per byte for a --model "
+                             "gpt-* (default 2.5)")
     parser.add_argument("--out", default="compare", help="writes OUT.md and OUT.png")
     args, trainer_flags = parser.parse_known_args(argv)
+    try:
+        score = score_of_flags(trainer_flags)
+    except argparse.ArgumentError as error:
+        parser.error(f"{error} (a flag for the trainer)")
+    if args.target is None:
+        args.target = score.default_target
     entries = args.sync.split(",")
     for entry in entries:
         try:
@@ -314,7 +401,7 @@ def main(argv=None) -> int:
             job = run_one(entry, args, trainer_flags, folder)
             jobs.write(json.dumps(job) + "\n")
             jobs.flush()  # on disk as soon as it ends, whatever happens to the next
-            rows.append(summarize(job, args.target))
+            rows.append(summarize(job, args.target, score))
             if job.get("failed"):  # the other jobs still run: one failure costs one row
                 print(f"{entry} failed, {job['failed']}", file=sys.stderr, flush=True)
             print(table(rows[-1:], args.target).splitlines()[-1], flush=True)

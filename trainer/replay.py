@@ -4,6 +4,8 @@ r"""Replay a traced training step on a cluster we do not have: the cost model at
         --trace run                                     # measure: a few traced steps
     python -m trainer.replay --trace run --constants here.json \
         --ranks 8,64,256,1024 --ranks-per-host 8 --bandwidth 25gbit --latency 10us
+    python -m trainer.bench --nproc 2 --model gpt-small --sync allreduce,powersgd \
+        --trace lm && python -m trainer.replay --trace lm --constants here.json
 
 A data-parallel step is computation (which does not change with the number of ranks)
 plus communication (which does). The trace tells the first, measured: when each piece
@@ -52,9 +54,17 @@ cluster. Put together, one step is simulated per strategy and per rank count.
    (`native`) for torch's DDP.
 
    step = forward + backward + waited + writeback + moment + optimizer (+ training-
-   thread collectives); images/s = ranks x batch / step; scaling efficiency = images/s
-   over ranks x the images/s of one rank computing alone (forward + backward +
-   optimizer, no DDP at all) = (forward + backward + optimizer) / step.
+   thread collectives); throughput = ranks x batch x units per sample / step;
+   scaling efficiency = throughput over ranks x the throughput of one rank computing
+   alone (forward + backward + optimizer, no DDP at all) = (forward + backward +
+   optimizer) / step.
+
+   What a row counts follows from the traced model (trainer.bench writes its --model
+   into every traced step): images/s for a ResNet; tokens/s for a gpt-*, each sample a
+   window of its context's bytes (`Throughput`). A trace that names no model (one
+   trainer.bench made before it named them, which traced only ResNets; the trainer's
+   own --trace) is taken for images, unless --model names it. The batch likewise: the
+   trace's, else trainer.bench's default (32 images, 16 windows), or --batch-size.
 
 What each strategy is, in that picture (STRATEGIES below):
 
@@ -98,7 +108,7 @@ import os
 import statistics
 import sys
 from dataclasses import dataclass, field, replace
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 from collectives.algorithms import COSTS, fastest
 from collectives.algorithms.costs import Constants, Shape
@@ -137,7 +147,8 @@ class TracedStep:
     # collectives on the training thread: (collective, algorithm as traced, bytes)
     collectives: List[Tuple[str, str, int]] = field(default_factory=list)
     averaging_bytes: int = 0        # periodic strategies: what one averaging sends
-    batch: int = 0                  # images per rank (0: not in the trace)
+    batch: int = 0                  # samples per rank (0: not in the trace)
+    model: str = ""                 # trainer.bench's --model ("": not in the trace)
     rank: int = 0
     steps: int = 0
 
@@ -230,7 +241,7 @@ def _one_step(events, step) -> TracedStep:
         backward_s=backward_compute * US, optimizer_s=optimizer[0]["dur"] * US if optimizer else 0,
         buckets=buckets, writeback_s=max(0.0, backward_end - from_when) * US,
         moment_s=moment * US, collectives=collectives, averaging_bytes=averaging,
-        batch=int(step["args"].get("batch", 0)))
+        batch=int(step["args"].get("batch", 0)), model=step["args"].get("model", ""))
 
 
 def _median(profiles: List[TracedStep]) -> TracedStep:
@@ -272,7 +283,8 @@ def powersgd_bytes(model, rank: int = 2) -> Tuple[int, int, int]:
     collectives/sync/powersgd.py lays them out: the tensors it sends whole (vectors,
     and matrices n x m too small to gain: r(n + m) >= nm), then every P (n x r), then
     every Q (m x r). None depends on the number of ranks; the trace's own
-    after_backward all-reduces should show the same three numbers."""
+    after_backward all-reduces should show the same three numbers for the traced
+    model (trainer.bench.build_model(profile.model) builds it again)."""
     whole = ps = qs = 0
     for p in model.parameters():
         if not p.requires_grad:
@@ -284,6 +296,46 @@ def powersgd_bytes(model, rank: int = 2) -> Tuple[int, int, int]:
         else:
             ps, qs = ps + n * rank * size, qs + m * rank * size
     return whole, ps, qs
+
+
+# --- what a row counts -----------------------------------------------------------------
+
+class Throughput(NamedTuple):
+    """What the replay's throughput counts for one traced model."""
+    key: str              # the row's key: "images_per_s" or "tokens_per_s"
+    label: str            # the table's column: "img/s" or "tok/s"
+    axis: str             # the plot's: "images/s" or "tokens/s"
+    per_sample: int       # units in one sample: 1 image, or a window's context bytes
+    default_batch: int    # samples per rank where neither trace nor flag says: bench's
+
+
+IMAGES = Throughput("images_per_s", "img/s", "images/s", 1, 32)
+
+
+def trainer_models() -> Tuple[List[str], Dict]:
+    """(every --model name, the gpt-* sizes by name). Imported when first asked, not with
+    this module: trainer.tasks brings torchvision, seconds to import, which a replay of
+    a trace that names no model, or one that stops at a bad flag, does without."""
+    from .tasks import MODELS
+    from .tasks.gpt import SIZES
+    return MODELS, SIZES
+
+
+def throughput_of(model: str) -> Throughput:
+    """A gpt-*'s tokens (bytes predicted; a window of its context per sample), or images
+    for a ResNet and for a trace that names no model (trainer.bench traced only ResNets
+    before it named them)."""
+    if not model:
+        return IMAGES
+    _, gpt_sizes = trainer_models()
+    if model in gpt_sizes:
+        return Throughput("tokens_per_s", "tok/s", "tokens/s", gpt_sizes[model].context, 16)
+    return IMAGES
+
+
+def counted_in(rows: List[dict]) -> Throughput:
+    """What the modelled rows count (one trace: one model)."""
+    return throughput_of(next((r["model"] or "" for r in rows if r["modelled"]), ""))
 
 
 # --- the strategies -------------------------------------------------------------------
@@ -419,9 +471,10 @@ def _ranks(text: str) -> List[int]:
 def rows_for(profiles: Dict[str, TracedStep], syncs: List[str], ranks: List[int],
              per_host: int, constants: Constants, compute_scale: Optional[float] = None,
              step_time: Optional[float] = None, period: int = 8,
-             batch: Optional[int] = None) -> List[dict]:
+             batch: Optional[int] = None, model: Optional[str] = None) -> List[dict]:
     """One row per (modelled sync, rank count); a not-modelled sync gets one row with
-    its reason and no numbers."""
+    its reason and no numbers. Each row's throughput counts what its traced model
+    trains on (`model`, where given, stands for the trace's)."""
     rows = []
     for sync in syncs:
         if sync not in STRATEGIES:
@@ -433,15 +486,18 @@ def rows_for(profiles: Dict[str, TracedStep], syncs: List[str], ranks: List[int]
             rows.append(dict(sync=sync, modelled=False, reason=NEEDS_ALLREDUCE))
             continue
         scale = profile.compute_s / step_time if step_time else (compute_scale or 1.0)
-        images = batch or profile.batch or 32  # trainer.bench's default
+        traced_model = model or profile.model
+        counted = throughput_of(traced_model)
+        samples = batch or profile.batch or counted.default_batch
         for n in ranks:
             shape = Shape(n // per_host, per_host)
             result = simulate(profile, shape, constants, scale, period, STRATEGIES[sync])
             rows.append(dict(
                 sync=sync, modelled=True, ranks=n, hosts=shape.hosts, ranks_per_host=per_host,
                 step_ms=result.step_s * 1e3, waited_ms=result.waited_s * 1e3,
-                compute_ms=result.compute_s * 1e3, batch_size=images,
-                images_per_s=n * images / result.step_s,
+                compute_ms=result.compute_s * 1e3, model=traced_model or None,
+                batch_size=samples,
+                **{counted.key: n * samples * counted.per_sample / result.step_s},
                 efficiency=result.compute_s / result.step_s, compute_scale=scale,
                 algorithms=list(result.algorithms)))
     return rows
@@ -450,37 +506,39 @@ def rows_for(profiles: Dict[str, TracedStep], syncs: List[str], ranks: List[int]
 def print_table(rows: List[dict], out=None) -> None:
     out = out or sys.stdout
     w = max([13] + [len(row["sync"]) for row in rows])  # the sync column fits every name
+    counted = counted_in(rows)
     print(f"{'sync':>{w}} {'ranks':>6} {'hosts x ranks':>13} {'step ms':>9} {'waited ms':>9} "
-          f"{'img/s':>9} {'efficiency':>10}  algorithms", file=out)
+          f"{counted.label:>9} {'efficiency':>10}  algorithms", file=out)
     for row in rows:
         if not row["modelled"]:
             print(f"{row['sync']:>{w}}  not modelled: {row['reason']}", file=out)
             continue
         layout = f"{row['hosts']} x {row['ranks_per_host']}"
         print(f"{row['sync']:>{w}} {row['ranks']:>6} {layout:>13} {row['step_ms']:>9.1f} "
-              f"{row['waited_ms']:>9.1f} {row['images_per_s']:>9.1f} "
+              f"{row['waited_ms']:>9.1f} {row[counted.key]:>9.1f} "
               f"{row['efficiency']:>10.0%}  {','.join(row['algorithms']) or '-'}", file=out)
 
 
 def plot(rows: List[dict], path: str, title: str) -> None:
-    """images/s against ranks (log x): ours solid, torch's dashed, a pair alike in colour;
-    overlap=forward dotted, in plain allreduce's colour."""
+    """Images/s (or a gpt-*'s tokens/s) against ranks (log x): ours solid, torch's
+    dashed, a pair alike in colour; overlap=forward dotted, in plain allreduce's colour."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     families = list(dict.fromkeys(STRATEGIES[r["sync"]].family for r in rows if r["modelled"]))
     colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    counted = counted_in(rows)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for sync in dict.fromkeys(r["sync"] for r in rows if r["modelled"]):
         mine = [r for r in rows if r["modelled"] and r["sync"] == sync]
         s = STRATEGIES[sync]
         style = "--" if s.torch else ":" if s.overlap_forward else "-"
-        ax.plot([r["ranks"] for r in mine], [r["images_per_s"] for r in mine], marker="o",
+        ax.plot([r["ranks"] for r in mine], [r[counted.key] for r in mine], marker="o",
                 linestyle=style, color=colours[s.family], label=sync)
     ax.set_xscale("log")
     ax.set_yscale("log")  # linear scaling is then a straight line
     ax.set_xlabel("ranks")
-    ax.set_ylabel("images/s (modelled)")
+    ax.set_ylabel(f"{counted.axis} (modelled)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
@@ -515,9 +573,16 @@ def main(argv=None) -> int:
                          help="pick X so that forward + backward + optimizer take this long")
     p.add_argument("--period", type=int, default=8,
                    help="local SGD's averaging period H (default 8, as the strategies')")
+    p.add_argument("--model", metavar="MODEL",
+                   help="the traced model, as trainer.bench's --model names it, for a "
+                        "trace that does not (the trainer's own --trace): what throughput "
+                        "counts, a ResNet's images or a gpt-*'s tokens (default: the "
+                        "trace's, else images)")
     p.add_argument("--batch-size", type=int,
-                   help="images per rank (default: from the trace, else 32)")
-    p.add_argument("--plot", metavar="FILE.png", help="draw images/s against ranks")
+                   help="samples per rank: images, or a gpt-*'s windows (default: from the "
+                        "trace, else trainer.bench's: 32 images, 16 windows)")
+    p.add_argument("--plot", metavar="FILE.png",
+                   help="draw the throughput (images/s or tokens/s) against ranks")
     p.add_argument("--json", metavar="FILE", help="write one JSON object per row")
     args = p.parse_args(argv)
 
@@ -527,6 +592,9 @@ def main(argv=None) -> int:
     if bad:
         p.error(f"--ranks {','.join(map(str, bad))}: not a multiple of --ranks-per-host "
                 f"{args.ranks_per_host} (hosts are filled whole)")
+    if args.model and args.model not in trainer_models()[0]:
+        p.error(f"--model {args.model}: not a model of the trainer (choose from "
+                f"{', '.join(trainer_models()[0])})")
     for name, value in (("--compute-scale", args.compute_scale), ("--step-time", args.step_time),
                         ("--period", args.period), ("--batch-size", args.batch_size)):
         if value is not None and value <= 0:
@@ -548,19 +616,33 @@ def main(argv=None) -> int:
     constants = on_cluster(constants, args.bandwidth or 0.0, args.latency or 0.0,
                            args.emulated)
     traced = [profile_for(profiles, s) for s in syncs]  # None: a row not modelled
-    batch = args.batch_size or (None if all(p is None or p.batch for p in traced) else 32)
+    named = sorted({step.model for step in traced if step is not None and step.model})
+    if len(named) > 1:
+        p.error(f"--trace {args.trace}: steps of several models ({', '.join(named)})")
+    if args.model and named and named != [args.model]:
+        p.error(f"--model {args.model}: the trace is of {named[0]}")
+    model = args.model or (named[0] if named else None)
+    counted = throughput_of(model or "")
+    batch = args.batch_size or (None if all(step is None or step.batch for step in traced)
+                                else counted.default_batch)
 
     rows = rows_for(profiles, syncs, args.ranks, args.ranks_per_host, constants,
-                    args.compute_scale, args.step_time, args.period, batch)
+                    args.compute_scale, args.step_time, args.period, batch, model)
     link = f"{args.bandwidth * 8 / 1e9:g} Gbit/s links" if args.bandwidth else "the measured links"
     if args.latency:
         link += f" (+{args.latency * 1e6:g} us)"
     scaling = (f"compute scaled to {args.step_time:g} s a step" if args.step_time
                else f"compute scale {args.compute_scale or 1.0:g}")
-    print(f"# trainer.replay: {args.trace}, {args.ranks_per_host} ranks per host, {link}, "
-          f"{scaling}, local SGD period {args.period}")
-    if batch == 32 and not args.batch_size:
-        print("# the trace does not say the batch: 32 images per rank assumed (--batch-size)")
+    print(f"# trainer.replay: {args.trace} ({model or 'a model not named'}), "
+          f"{args.ranks_per_host} ranks per host, {link}, {scaling}, local SGD period "
+          f"{args.period}")
+    if model is None:
+        print("# the trace does not name its model: images assumed (--model)")
+    if batch and not args.batch_size:
+        samples = ("images" if counted.per_sample == 1
+                   else f"windows of {counted.per_sample} bytes")
+        print(f"# the trace does not say the batch: {batch} {samples} per rank assumed "
+              "(--batch-size)")
     print_table(rows)
     if args.json:
         with open(args.json, "w") as out:

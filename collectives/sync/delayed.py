@@ -29,8 +29,11 @@ steps and the model never recovers. Two things are done about it:
               (`implicit_momentum`), so momentum 0.9 becomes 0.4 (never below 0) once
               the steps are late. The optimizer is the training loop's, so the strategy
               adopts whichever optimizer steps this model's parameters (torch's step
-              pre-hook): before each late step it sets those param groups' momentum,
-              keeping the one asked for under "explicit_momentum" in the group (so an
+              pre-hook): before each late step it sets those param groups' momentum
+              (Adam's and AdamW's first-moment decay beta1 alike: 0.9 becomes 0.4;
+              the stability argument is the same, unmeasured on these),
+              keeping the one asked for under "explicit_momentum" ("explicit_beta1")
+              in the group (so an
               optimizer's checkpoint brings it back, and lowering twice is impossible);
               close() puts it back.
     dc        delay-compensated SGD, Zheng et al., "Asynchronous Stochastic Gradient
@@ -191,12 +194,17 @@ class Delayed(SyncStrategy):
         for group in optimizer.param_groups:
             if not all(id(p) in self.parameter_ids for p in group["params"]):
                 continue  # another model's optimizer
-            if "momentum" not in group:
-                raise ValueError("delayed: compensate=momentum lowers an SGD optimizer's "
-                                 f"momentum; {type(optimizer).__name__} has none: use "
-                                 "compensate=dc or none")
-            explicit = group.setdefault("explicit_momentum", group["momentum"])
-            group["momentum"] = max(0.0, explicit - self.implicit_momentum)
+            if "momentum" in group:  # SGD's, Muon's
+                explicit = group.setdefault("explicit_momentum", group["momentum"])
+                group["momentum"] = max(0.0, explicit - self.implicit_momentum)
+            elif "betas" in group:  # Adam's first moment is a momentum too
+                explicit = group.setdefault("explicit_beta1", group["betas"][0])
+                group["betas"] = (max(0.0, explicit - self.implicit_momentum),
+                                  *group["betas"][1:])
+            else:
+                raise ValueError("delayed: compensate=momentum lowers an optimizer's "
+                                 f"momentum (SGD's, Adam's beta1); {type(optimizer).__name__} "
+                                 "has none: use compensate=dc or none")
             if not any(group is lowered for lowered in self.lowered):
                 self.lowered.append(group)
 
@@ -244,3 +252,5 @@ class Delayed(SyncStrategy):
                 for group in self.lowered:
                     if "explicit_momentum" in group:
                         group["momentum"] = group.pop("explicit_momentum")
+                    if "explicit_beta1" in group:
+                        group["betas"] = (group.pop("explicit_beta1"), *group["betas"][1:])

@@ -31,6 +31,13 @@ import torch
 from collectives.api import gather_rows
 
 
+def seed_everything(seed: int) -> None:
+    """The same seed for torch, numpy and Python on every rank: the same initial weights."""
+    torch.manual_seed(seed)
+    np.random.seed(seed)
+    random.seed(seed)
+
+
 def rng_state() -> Dict[str, Any]:
     state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
              "python": random.getstate()}

@@ -9,16 +9,22 @@ from collectives import algorithms, sync
 from collectives.launch import add_local_rank_argument
 from .. import torch_peers
 from . import progress
-from .networks import ARCHITECTURES
+from ..tasks import IMAGE_DATASETS, MODELS, TEXT_DATASETS, images, kind_of, language, optimizers
+from ..tasks.gpt import SIZES as GPT_SIZES
+from ..tasks.resnets import ARCHITECTURES
 
 DESCRIPTION = """\
-Data-parallel training of a torchvision ResNet with communication from `collectives`.
+Data-parallel training with communication from `collectives`: a torchvision ResNet on
+images, or a byte-level GPT on text.
 
 With no flags it trains ResNet-18 on an embedded dataset (10 classes of drawn shapes,
 generated in memory, no files needed) and shows the loss falling and the accuracy
-rising. It runs the same way under every launcher, or as one plain process:
+rising. --model gpt-tiny trains a language model on this Python's standard library
+sources (no download), scored by held-out bits per byte. It runs the same way under
+every launcher, or as one plain process:
 
   mpirun -np 4 python -m trainer
+  mpirun -np 4 python -m trainer --model gpt-tiny --optimizer adamw --sync diloco:period=30
   ./launch_mpi.sh -np 4 -- python -m trainer --dataset mnist --data-dir ../shared/data
   torchrun --nproc-per-node 4 -m trainer --epochs 1
   python -m torch.distributed.launch --nproc-per-node 4 --module trainer --epochs 1
@@ -26,7 +32,8 @@ rising. It runs the same way under every launcher, or as one plain process:
 """
 
 EPILOG = """\
-Every epoch, rank 0 prints one line: train loss, test accuracy, images/s (all ranks
+Every epoch (a language model's: every --eval-every steps), rank 0 prints one line:
+train loss, test accuracy or held-out bits per byte, images or tokens/s (all ranks
 together), the share of time the communication threads were busy, the share the
 training thread waited on communication, and the MiB this rank sent per step (on the
 emulated cluster: its host's NIC, divided by the ranks on that host).
@@ -136,52 +143,76 @@ def peer_class(name: str):
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m trainer", description=DESCRIPTION, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    model = p.add_argument_group("model and data")
-    model.add_argument("--arch", default="resnet18", choices=ARCHITECTURES,
-                       help="torchvision ResNet; the stem is adapted to small images "
+    model = p.add_argument_group("model and data (the task follows from --model)")
+    model.add_argument("--model", "--arch", dest="arch", default="resnet18", choices=MODELS,
+                       metavar="MODEL",
+                       help="a torchvision ResNet (image classification; the stem adapted "
+                            f"to small images): {', '.join(ARCHITECTURES)}; or a byte-level "
+                            f"GPT (language modelling): {', '.join(GPT_SIZES)} "
                             "(default: resnet18)")
-    model.add_argument("--dataset", default="shapes",
-                       choices=["shapes", "mnist", "cifar10", "imagefolder"],
-                       help="shapes: embedded, no files (default); mnist, cifar10: "
-                            "torchvision's, under --data-dir; imagefolder: "
-                            "--data-dir/train and --data-dir/val")
+    model.add_argument("--dataset", choices=IMAGE_DATASETS + TEXT_DATASETS,
+                       help="images: shapes (embedded, no files; the default), mnist, "
+                            "cifar10 (torchvision's, under --data-dir), imagefolder "
+                            "(--data-dir/train and --data-dir/val). Text: stdlib (this "
+                            "Python's standard library sources; the default), text (every "
+                            "file under --data-dir)")
     model.add_argument("--data-dir", help="folder holding the dataset (nothing is downloaded)")
     model.add_argument("--train-samples", type=positive_int,
-                       help="use only the first N training images (default: all; shapes: 2048)")
+                       help="images: use only the first N training images (default: all; "
+                            "shapes: 2048)")
     model.add_argument("--test-samples", type=positive_int,
-                       help="use only the first N test images (default: all; shapes: 512)")
+                       help="use only the first N test images (default: all; shapes: 512); "
+                            "text: score N held-out windows (default: 256)")
     model.add_argument("--workers", type=non_negative_int, default=0,
                        help="DataLoader worker processes per rank (default: 0)")
     model.add_argument("--shards", default="auto", choices=["auto", "static", "dynamic"],
                        help="how each epoch is dealt to the ranks. static: equal shards "
-                            "(torch's DistributedSampler); dynamic: one step's images at a "
+                            "(torch's DistributedSampler; text: disjoint random windows); "
+                            "dynamic: one step's images at a "
                             "time to whichever rank asks, so a faster rank trains more of "
                             "the epoch (only strategies whose ranks may take different "
-                            "numbers of steps: async-avg); auto (default): dynamic where "
-                            "the strategy allows it and there is more than one rank, "
-                            "else static")
+                            "numbers of steps: async-avg; images only); auto (default): "
+                            "dynamic where the strategy allows it and there is more than "
+                            "one rank, else static")
 
-    optim = p.add_argument_group("optimisation")
-    optim.add_argument("--epochs", type=positive_int, default=3, help="epochs (default: 3)")
-    optim.add_argument("--batch-size", type=positive_int, default=32,
-                       help="images per rank per step (default: 32)")
-    optim.add_argument("--lr", type=positive_float, default=0.05,
-                       help="SGD learning rate (default: 0.05)")
+    optim = p.add_argument_group("optimisation (defaults: the task's; a GPT's after the /)")
+    optim.add_argument("--epochs", type=positive_int,
+                       help="images: epochs (default: 3)")
+    optim.add_argument("--steps", type=positive_int,
+                       help="language models: optimizer steps (default: 1000)")
+    optim.add_argument("--eval-every", type=positive_int, metavar="STEPS",
+                       help="language models: steps between held-out evaluations "
+                            "(default: 100)")
+    optim.add_argument("--batch-size", type=positive_int,
+                       help="samples per rank per step: images, or windows of the model's "
+                            "context (default: 32 / 16)")
+    optim.add_argument("--optimizer", choices=optimizers.NAMES,
+                       help="sgd (with --momentum), adamw (betas 0.9, 0.95), or muon (Muon "
+                            "on hidden matrices, AdamW on the rest) (default: sgd / adamw)")
+    optim.add_argument("--lr", type=positive_float,
+                       help="peak learning rate (default: 0.05 / 3e-3)")
     optim.add_argument("--momentum", type=non_negative_float, default=0.9,
                        help="SGD momentum (default: 0.9)")
-    optim.add_argument("--weight-decay", type=non_negative_float, default=1e-4,
-                       help="SGD weight decay (default: 1e-4)")
+    optim.add_argument("--weight-decay", type=non_negative_float,
+                       help="weight decay (default: 1e-4 / 0.1)")
     optim.add_argument("--schedule", default="cosine", choices=["cosine", "constant"],
-                       help="learning-rate schedule over all steps: cosine decays to 0 "
-                            "(default: cosine)")
+                       help="learning rate after the warm-up: cosine decays to 0 over the "
+                            "run (default: cosine)")
+    optim.add_argument("--warmup-steps", type=non_negative_int,
+                       help="linear warm-up of the learning rate (default: 0 / 5%% of "
+                            "--steps)")
+    optim.add_argument("--clip-grad", type=non_negative_float, metavar="NORM",
+                       help="clip the gradients' total norm to NORM before each step, 0 "
+                            "for none (default: 0 / 1.0)")
     optim.add_argument("--amp", default="off", choices=["off", "bf16", "fp16"],
                        help="mixed precision; fp16 uses a GradScaler (default: off)")
     optim.add_argument("--accum-steps", type=positive_int, default=1,
                        help="micro-batches per optimizer step, synchronised only on the last "
                             "(default: 1)")
-    optim.add_argument("--stop-at", type=positive_float, metavar="ACC",
-                       help="end training after the first epoch whose test accuracy reaches "
-                            "ACC (e.g. 0.95); the schedule still spans --epochs")
+    optim.add_argument("--stop-at", type=positive_float, metavar="SCORE",
+                       help="end training after the first evaluation that reaches SCORE: a "
+                            "test accuracy (images, e.g. 0.95) or held-out bits per byte "
+                            "(text, e.g. 2.5); the schedule still spans the whole run")
     optim.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
     optim.add_argument("--skip-nonfinite", action="store_true",
                        help="when any rank's gradients hold inf or NaN, skip that step on every "
@@ -240,7 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     files.add_argument("--eval-only", action="store_true",
                        help="with --resume: evaluate the checkpoint on the test split and stop")
     files.add_argument("--metrics", metavar="FILE",
-                       help="append one JSON object per epoch to FILE")
+                       help="append one JSON object per epoch (evaluation) to FILE")
+    files.add_argument("--tensorboard", metavar="DIR",
+                       help="write TensorBoard event files to DIR (rank 0): the training "
+                            "loss every step, the held-out figures at every evaluation, "
+                            "against steps, and against MiB sent and seconds trained "
+                            "(`tensorboard --logdir DIR`)")
     files.add_argument("--progress", choices=progress.MODES, default="auto",
                        help="rank 0's progress: a bar on a terminal, lines in a log file "
                             "(auto, the default: lines in a Slurm batch job or when stderr "
@@ -262,7 +298,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.eval_only and not args.resume:
         parser.error("--eval-only needs --resume PATH (the checkpoint to evaluate)")
-    if args.dataset != "shapes" and not args.data_dir:
+    fill_task_defaults(parser, args)
+    if args.dataset not in ("shapes", "stdlib") and not args.data_dir:
         parser.error(f"--dataset {args.dataset} needs --data-dir (the folder holding it)")
     try:  # a strategy rejects unknown or bad options before anything runs
         # --sync local-sgd:period=8 and --sync local-sgd --sync-option period=8 are one
@@ -290,6 +327,38 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def fill_task_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """The flags of the task --model names, its defaults where one was not given; a flag
+    of the other task is refused (argparse's error, exit 2)."""
+    kind = kind_of(args.arch)
+    if kind == "language":
+        others = {"--epochs": args.epochs, "--train-samples": args.train_samples}
+        datasets = TEXT_DATASETS
+        language.fill_defaults(args)
+        if args.shards == "dynamic":
+            parser.error("--shards dynamic deals images; a language model's ranks draw "
+                         "their windows at random: use --shards static")
+        args.shards = "static"  # auto: windows drawn at random, the same count per rank
+        if args.elastic:
+            parser.error("--elastic trains the image models; not a language model yet")
+    else:
+        others = {"--steps": args.steps, "--eval-every": args.eval_every}
+        datasets = IMAGE_DATASETS
+        for key, value in {**images.DEFAULTS, "epochs": 3}.items():
+            if getattr(args, key) is None:
+                setattr(args, key, value)
+    for flag, given in others.items():
+        if given is not None:
+            parser.error(f"{flag} does not apply to --model {args.arch} "
+                         f"({'language modelling' if kind == 'language' else 'images'})")
+    if args.dataset not in datasets:
+        parser.error(f"--dataset {args.dataset} is not for --model {args.arch}: choose "
+                     f"from {', '.join(datasets)}")
+    if args.optimizer == "muon" and kind == "images":
+        parser.error("--optimizer muon takes the hidden matrices of a transformer "
+                     "(--model gpt-*); a ResNet's are convolutions")
+
+
 # Strategies whose replicas are equal at known steps, so a lost rank's survivors can go
 # back to one: gradient averaging every step, local-sgd at each averaging.
 ELASTIC_SYNCS = ("allreduce", "fp16", "bf16", "local-sgd")
@@ -304,7 +373,9 @@ def refuse_for_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace
                    "--shards dynamic": args.shards == "dynamic", "--trace": bool(args.trace),
                    "--backend mpi/nccl": args.backend in ("mpi", "nccl"),
                    "--eval-only": args.eval_only, "--skip-nonfinite": args.skip_nonfinite,
-                   "--shm on": args.shm == "on"}
+                   "--shm on": args.shm == "on", "--tensorboard": bool(args.tensorboard),
+                   "--optimizer other than sgd": args.optimizer != "sgd",
+                   "--warmup-steps": args.warmup_steps > 0, "--clip-grad": args.clip_grad > 0}
     for flag, given in unsupported.items():
         if given:
             parser.error(f"--elastic does not take {flag}")
@@ -317,7 +388,10 @@ def refuse_for_forward_overlap(parser: argparse.ArgumentParser,
     unsupported = {"--amp fp16 (its inf check spans every gradient)": args.amp == "fp16",
                    "--skip-nonfinite (it asks about every gradient)": args.skip_nonfinite,
                    "--elastic (a commit would come before its step)": args.elastic,
-                   "--bucket-mb auto": args.bucket_mb == "auto"}
+                   "--bucket-mb auto": args.bucket_mb == "auto",
+                   "--clip-grad (it needs every gradient at once)": args.clip_grad > 0,
+                   "--optimizer muon (it steps a matrix from its whole momentum)":
+                       args.optimizer == "muon"}
     for flag, given in unsupported.items():
         if given:
             parser.error(f"--sync {args.sync} with overlap=forward does not take {flag}")

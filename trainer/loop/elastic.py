@@ -40,7 +40,6 @@ import time
 from typing import NoReturn, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
 import collectives
@@ -49,11 +48,11 @@ from collectives.launch.environment import detect_launch
 from collectives.launch.exit import close_at_exit
 from collectives.transport import PeerError
 from collectives.sync.local_sgd import averaged_tensors
-from . import checkpoint, data
+from . import checkpoint
+from .checkpoint import seed_everything
 from .cli import create_sync, fail
 from .dynamic_shards import cosine_decay
-from .evaluation import evaluate, evaluated_copy
-from .networks import build_model, seed_everything
+from .evaluation import evaluated_copy
 
 STORE_VARIABLE = "COLLECTIVES_ELASTIC_STORE"  # HOST:PORT, where --store is not given
 
@@ -91,7 +90,7 @@ def progress_factor(args: argparse.Namespace, state: State, images: int) -> floa
     return cosine_decay(((state.epoch - 1) * images + state.done) / (args.epochs * images))
 
 
-def train_elastic(args: argparse.Namespace, split: data.DataSplit,
+def train_elastic(args: argparse.Namespace, task,
                   saved: Optional[dict] = None) -> None:
     """The run, generation after generation, until its epochs are done (from `saved`, an
     --elastic checkpoint, with --resume). Too few ranks left, a lost store, or the same
@@ -102,7 +101,7 @@ def train_elastic(args: argparse.Namespace, split: data.DataSplit,
     except ValueError as error:
         fail(str(error))
     seed_everything(args.seed)  # a newcomer's weights are replaced by the job's
-    model = build_model(args.arch, split.channels, split.num_classes, split.image_size)
+    model = task.build_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay)
     state = State(model, optimizer, epoch=1, done=0, step=0, strategy={}, accuracy=0.0,
@@ -117,7 +116,7 @@ def train_elastic(args: argparse.Namespace, split: data.DataSplit,
         fail_elastic(str(error))
     close_at_exit(world.drop)  # the generation's gloo, closed before the interpreter goes
     try:
-        finished = run(lambda state, world: train_generation(args, split, state, world),
+        finished = run(lambda state, world: train_generation(args, task, state, world),
                        state, world, expected=int(launched) if launched else None)
         says_done = finished is not None and world.comm.rank == 0  # the last generation's
     except MembershipError as error:
@@ -137,7 +136,7 @@ def fail_elastic(message: str) -> NoReturn:
     sys.exit(1)
 
 
-def train_generation(args: argparse.Namespace, split: data.DataSplit, state: State,
+def train_generation(args: argparse.Namespace, task, state: State,
                      world: ElasticWorld) -> bool:
     """Train the rest of the run over this generation's ranks (see the module
     docstring). Returns True at the end of the run."""
@@ -156,11 +155,11 @@ def train_generation(args: argparse.Namespace, split: data.DataSplit, state: Sta
                                                   bucket_cap_mb=args.bucket_mb, comm=comm,
                                                   init_sync=False, moments="loop")
         while state.epoch <= args.epochs:
-            record = train_rest_of_epoch(args, split, state, ddp, strategy, comm)
+            record = train_rest_of_epoch(args, task, state, ddp, strategy, comm)
             if strategy.replicas_differ:  # local-sgd: the epoch ends with an averaging,
                 collectives.all_reduce_coalesced(  # so that its end can be committed
                     averaged_tensors(state.model), op="avg", comm=comm)
-            accuracy = evaluate_replicas(args, split, state.model, strategy, comm)
+            accuracy = evaluate_replicas(args, task, state.model, strategy, comm)
             record.update(test_acc=accuracy, generation=world.view.generation)
             say(f"epoch {state.epoch}/{args.epochs}: train loss {record['train_loss']:.4f}  "
                 f"test acc {accuracy:.2%}  {record['images_per_s']:.0f} img/s  "
@@ -183,13 +182,13 @@ def train_generation(args: argparse.Namespace, split: data.DataSplit, state: Sta
         strategy.close()
 
 
-def train_rest_of_epoch(args, split, state: State, ddp, strategy, comm) -> dict:
+def train_rest_of_epoch(args, task, state: State, ddp, strategy, comm) -> dict:
     """The steps left of this epoch over this generation's ranks, each committed where
     the replicas agree. Returns the epoch's figures, summed over the ranks: those of
     every generation that trained part of it, as far as their commits reach."""
-    sampler = ElasticSampler(len(split.train), comm.rank, comm.world_size, args.batch_size,
+    sampler = ElasticSampler(len(task.train_set), comm.rank, comm.world_size, args.batch_size,
                              state.epoch, state.done, seed=args.seed)
-    loader = DataLoader(split.train, batch_size=args.batch_size, sampler=sampler,
+    loader = DataLoader(task.train_set, batch_size=args.batch_size, sampler=sampler,
                         num_workers=args.workers)
     model, optimizer = state.model, state.optimizer
     pending = torch.zeros(2, dtype=torch.float64)  # this rank's losses, batches: uncommitted
@@ -197,10 +196,10 @@ def train_rest_of_epoch(args, split, state: State, ddp, strategy, comm) -> dict:
     for images, labels in loader:
         images, labels = images.to(comm.device), labels.to(comm.device)
         for group in optimizer.param_groups:
-            group["lr"] = args.lr * progress_factor(args, state, len(split.train))
+            group["lr"] = args.lr * progress_factor(args, state, len(task.train_set))
         with torch.autocast(comm.device.type, dtype=torch.bfloat16,
                             enabled=args.amp == "bf16"):
-            loss = F.cross_entropy(ddp(images), labels)
+            loss = task.loss(ddp(images), labels)
         loss.backward()
         strategy.after_backward(model)
         optimizer.step()
@@ -234,11 +233,11 @@ def add_figures(state: State, pending: torch.Tensor, since: float, comm) -> floa
     return now
 
 
-def evaluate_replicas(args, split, model, strategy, comm) -> float:
+def evaluate_replicas(args, task, model, strategy, comm) -> float:
     """The test accuracy of the model the run stands for (train.evaluated_copy)."""
-    accuracy, _ = evaluate(evaluated_copy(model, strategy, comm), split.test, comm,
-                           comm.device, args.batch_size, args.amp)
-    return accuracy
+    figures = task.evaluate(evaluated_copy(model, strategy, comm), comm, comm.device,
+                            args.batch_size, args.amp)
+    return figures["test_acc"]
 
 
 def keep(args: argparse.Namespace, state: State, record: dict) -> None:

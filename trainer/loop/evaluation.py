@@ -1,27 +1,15 @@
-"""What each epoch scores: the model the run stands for, over the whole test split.
+"""What each epoch scores: the model the run stands for, the same on every rank.
 
-Every rank scores the same model on every n-th test image and the counts are summed,
-so the accuracy is the whole split's, whatever the number of ranks.
+The task scores it over the whole test split (trainer/tasks/scoring.py).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 
 import torch
-import torch.nn.functional as F
-from torch.utils.data import DataLoader, Subset
 
 import collectives
 from collectives.sync.local_sgd import averaged_tensors  # what model averaging averages
-
-
-def autocast(device: torch.device, amp: str):
-    """--amp: forward in bf16 or fp16 where torch deems it safe, or in fp32 (off)."""
-    if amp == "off":
-        return contextlib.nullcontext()
-    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
-    return torch.autocast(device.type, dtype=dtype)
 
 
 def evaluated_copy(model: torch.nn.Module, strategy, comm) -> torch.nn.Module:
@@ -54,22 +42,3 @@ def evaluated_copy(model: torch.nn.Module, strategy, comm) -> torch.nn.Module:
         buffers = [b for b in buffers if not b.is_floating_point()]
     collectives.broadcast_coalesced(buffers, src=0, comm=comm)
     return model
-
-
-def evaluate(model: torch.nn.Module, test_set, comm, device, batch_size: int, amp: str):
-    """(accuracy, mean loss) of `model` over the whole test split: every rank scores the
-    same model on every n-th image, and the counts are summed."""
-    mine = Subset(test_set, range(comm.rank, len(test_set), comm.world_size))
-    totals = torch.zeros(3, dtype=torch.float64)  # correct, count, summed loss
-    model.eval()
-    with torch.no_grad():
-        for images, labels in DataLoader(mine, batch_size=max(batch_size, 128)):
-            images, labels = images.to(device), labels.to(device)
-            with autocast(device, amp):
-                logits = model(images)
-            totals[0] += (logits.argmax(1) == labels).sum().item()
-            totals[1] += labels.numel()
-            totals[2] += F.cross_entropy(logits.float(), labels, reduction="sum").item()
-    model.train()
-    collectives.all_reduce(totals, op="sum", algorithm="auto", comm=comm, check=False)
-    return totals[0].item() / max(totals[1].item(), 1), totals[2].item() / max(totals[1].item(), 1)

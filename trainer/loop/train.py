@@ -2,7 +2,8 @@
 
     train(argv)
       parse_args            the flags (cli.py); a bad one ends the run here, exit 2
-      load_inputs           the train and test splits, and the checkpoint to resume from:
+      load_inputs           the task (model, data, loss, score: trainer/tasks/) with its
+                            data, and the checkpoint to resume from:
                             a missing or unusable file ends the run before any rank
                             connects
       connect               the communicator: this rank, the world, the device
@@ -11,13 +12,14 @@
       resume                (--resume) each rank's own weights, optimizer, scaler,
                             schedule, strategy state and random generators, and the step
                             count, as the checkpoint left them
-      evaluate_checkpoint   (--eval-only) the checkpoint's test accuracy, and stop
+      evaluate_checkpoint   (--eval-only) the checkpoint's score, and stop
       each epoch:
         train_one_epoch     one pass over this rank's shard: per optimizer step,
                             forward_backward for each micro-batch, then optimizer_step
         evaluated_model     a copy of the model the run stands for, the same on every
                             rank: rank 0's, or the average of the replicas
-        evaluate            its accuracy over the whole test split, each rank a slice
+        task.evaluate       its score over the whole test split, each rank a slice:
+                            test accuracy, or held-out bits per byte
         summarise_epoch     the epoch's figures as one record
         report              rank 0's line, and the record appended to --metrics
         save_checkpoint     every rank's state, gathered on rank 0, which writes them
@@ -49,22 +51,23 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DataLoader
-from torch.utils.data.distributed import DistributedSampler
 
 import collectives
 from collectives import trace
 from collectives.step_in_forward import StepInForward
 from .. import torch_peers
 from ..timing import SentBytes, WaitClock, background_comm_seconds, drain_background
-from . import checkpoint, data
+from .. import tasks
+from ..tasks import image_data, optimizers, text
+from ..tasks.scoring import autocast
+from . import checkpoint
+from .checkpoint import seed_everything
 from .cli import create_sync, fail, parse_args
 from .dynamic_shards import ClaimCounter, DynamicShards, progress_schedule
 from .elastic import train_elastic
 from .progress import progress
-from .evaluation import autocast, evaluate, evaluated_copy
-from .networks import build_model, seed_everything
+from .evaluation import evaluated_copy
 
 
 def main(argv=None) -> None:
@@ -79,29 +82,28 @@ def main(argv=None) -> None:
 def train(argv=None) -> None:
     """One run, as its steps: set up, resume or evaluate a checkpoint, then the epochs."""
     args = parse_args(argv)  # a bad flag: argparse's error, exit 2
-    split, saved = load_inputs(args)
+    task, saved = load_inputs(args)
     if args.elastic:  # generations of ranks that come and go: elastic.py
         if saved is not None:
             check_state_flags(args, saved)
-        train_elastic(args, split, saved)
+        train_elastic(args, task, saved)
         return
     comm = connect(args)
-    run = setup(args, split, comm)
-    first_epoch, accuracy = 1, 0.0
+    run = setup(args, task, comm)
+    first_epoch, score = 1, None
     if saved is not None:
         if args.eval_only:
             evaluate_checkpoint(run, saved)
             collectives.destroy()
             return
         resume(run, saved)
-        first_epoch, accuracy = saved["epoch"] + 1, saved["test_acc"]
+        first_epoch, score = saved["epoch"] + 1, saved_score(saved)
 
-    if first_epoch > args.epochs:  # the last line gives the checkpoint's accuracy
+    if first_epoch > args.epochs:  # the last line gives the checkpoint's score
         run.say(f"--resume {args.resume}: the checkpoint ended epoch {saved['epoch']} "
                 f"of --epochs {args.epochs}: nothing left to train")
     else:
-        run.say(f"training {args.arch} on {args.dataset} ({len(split.train)} images) with "
-                f"{comm.world_size} rank(s), backend {comm.name}, {where_it_trains(comm)}, "
+        run.say(f"training {task.first_line()} with {comm.world_size} rank(s), backend {comm.name}, {where_it_trains(comm)}, "
                 f"sync {args.sync}, algorithm {args.algorithm}, shards {args.shards}")
         if run.strategy.replicas_differ:
             run.say(f"{args.sync} lets the ranks' models differ: each epoch evaluates (and "
@@ -110,15 +112,15 @@ def train(argv=None) -> None:
     for epoch in range(first_epoch, args.epochs + 1):
         trained = train_one_epoch(run, epoch)
         evaluated = evaluated_model(run)
-        accuracy, _ = evaluate(evaluated, split.test, comm, comm.device, args.batch_size,
-                               args.amp)
-        report(run, summarise_epoch(run, epoch, trained, accuracy))
+        figures = task.evaluate(evaluated, comm, comm.device, args.batch_size, args.amp)
+        score = figures[task.score_key]
+        report(run, summarise_epoch(run, epoch, trained, figures))
         if args.checkpoint_dir:  # collective: every rank's state goes to rank 0
-            save_checkpoint(run, epoch, evaluated, accuracy)
+            save_checkpoint(run, epoch, evaluated, score)
         comm.barrier()
-        if reached_stop_at(run, accuracy):
+        if reached_stop_at(run, score):
             break
-    finish(run, started, accuracy)
+    finish(run, started, score)
     collectives.destroy()
 
 
@@ -128,7 +130,7 @@ def train(argv=None) -> None:
 class Run:
     """What a run trains with, built once by `setup`; `step` advances as it trains."""
     args: argparse.Namespace
-    split: data.DataSplit
+    task: tasks.Task               # model, data, loss, score (trainer/tasks/)
     comm: Any                      # our communicator: rank, world_size, device, barrier()
     model: torch.nn.Module         # the bare model: this rank's replica, which trains
     ddp: torch.nn.Module           # the model wrapped: our DDP, or torch's for a peer
@@ -141,10 +143,15 @@ class Run:
                                    # DistributedSampler, or DynamicShards
     loader: DataLoader
     steps_per_epoch: int           # optimizer steps, each of --accum-steps micro-batches
-                                   # (dynamic shards: the average rank's)
+                                   # (dynamic shards: the average rank's); a language
+                                   # model's: --eval-every
+    total_steps: int               # over the whole run: what the schedule spans
     clock: WaitClock               # seconds the training thread waits on communication
     sent: SentBytes                # bytes this rank has sent
     step: int = 0                  # optimizer steps applied so far, over all epochs
+    sent_total: float = 0.0        # bytes this rank sent, over all epochs (and resumes)
+    seconds_total: float = 0.0     # seconds trained, evaluation left out, likewise
+    board: Any = None              # --tensorboard: rank 0's SummaryWriter
     # overlap=forward: the optimizer whose step is taken inside the next forward
     stepper: Optional[StepInForward] = None
 
@@ -154,23 +161,23 @@ class Run:
             print(*args, **kwargs)
 
 
-def load_inputs(args: argparse.Namespace) -> Tuple[data.DataSplit, Optional[dict]]:
-    """The dataset's splits, and the --resume checkpoint (None without one), read and
-    checked: everything that can be wrong is checked before any rank connects or writes
-    anything."""
+def load_inputs(args: argparse.Namespace) -> Tuple[tasks.Task, Optional[dict]]:
+    """The task with its data read, and the --resume checkpoint (None without one), read
+    and checked: everything that can be wrong is checked before any rank connects or
+    writes anything."""
     try:
-        split = data.load(args.dataset, args.data_dir, args.train_samples, args.test_samples)
-    except data.DatasetMissing as error:
+        task = tasks.create(args)
+    except (image_data.DatasetMissing, text.TextMissing) as error:
         fail(str(error))
     if not args.resume:
-        return split, None
+        return task, None
     if not os.path.isfile(args.resume):
         fail(f"--resume {args.resume}: no such checkpoint file")
-    return split, read_checkpoint(args.resume, args.eval_only, args.elastic)
+    return task, read_checkpoint(args.resume, args.eval_only, args.elastic)
 
 
 # What a checkpoint must hold to be resumed, and, for each rank, in "ranks".
-CHECKPOINT_KEYS = ("model", "epoch", "step", "world_size", "test_acc", "ranks")
+CHECKPOINT_KEYS = ("model", "epoch", "step", "world_size", "ranks")
 RANK_KEYS = ("model", "optimizer", "scaler", "schedule", "strategy", "rng")
 # The flags a checkpoint's state belongs to: a resume with others fails (another
 # strategy would silently drop the saved one's state, another model would not load).
@@ -228,15 +235,14 @@ def connect(args: argparse.Namespace):
         fail(str(error))
 
 
-def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
+def setup(args: argparse.Namespace, task: tasks.Task, comm) -> Run:
     """The model, wrapped for data parallelism, and all that trains it. Every rank builds
     them in this order: wrapping and starting a trace are collectives, and the model's
     initial weights are the seed's first random numbers."""
     seed_everything(args.seed)
     if args.trace:  # collective: measures each rank's clock offset to rank 0
         trace.start(comm, args.trace, level=args.trace_level, recording=False)
-    model = build_model(args.arch, split.channels, split.num_classes, split.image_size)
-    model = model.to(comm.device)
+    model = task.build_model().to(comm.device)
     if args.sync == "ddp-collectives" and comm.device.type != "cpu":
         fail("--sync ddp-collectives runs torch's DDP on the torch.distributed backend "
              "\"collectives\", which takes CPU tensors: use --device cpu")
@@ -245,8 +251,9 @@ def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
     ddp = wrap_model(args, model, strategy, comm, torch_peer)
     clock = WaitClock(model)  # from each gradient computed, before any DDP's hook sees it
     sent = SentBytes(comm, strategy)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay)
+    optimizer = optimizers.build(args.optimizer, list(model.parameters()),
+                                 task.hidden_matrices(model), args.lr, args.momentum,
+                                 args.weight_decay)
     scaler = torch.amp.GradScaler(comm.device.type, enabled=args.amp == "fp16")
     if not torch_peer:  # a strategy that keeps gradients across steps needs their scale
         strategy.grad_scaler = scaler
@@ -254,18 +261,24 @@ def setup(args: argparse.Namespace, split: data.DataSplit, comm) -> Run:
         uneven = getattr(strategy, "uneven_steps", False)
         training = comm.world_size > 1 and not args.eval_only
         args.shards = "dynamic" if uneven and training else "static"
-    sampler, loader = shard_loader(args, split, comm)
+    sampler, loader = shard_loader(args, task, comm)
     steps_per_epoch = len(loader) // args.accum_steps
+    total_steps = args.steps or args.epochs * steps_per_epoch
     if args.shards == "dynamic":  # the rate follows the run's progress through the data
         schedule = progress_schedule(optimizer, sampler, args.epochs, args.schedule == "cosine")
     else:
-        schedule = lr_schedule(args, optimizer, steps_per_epoch)
+        schedule = optimizers.schedule(optimizer, args.schedule, total_steps, args.warmup_steps)
     stepper = None
     if getattr(strategy, "overlap", "backward") == "forward":  # its waits are the clock's
         stepper = ddp.step_in_forward(optimizer,
                                       waiting=lambda: clock.blocking("waiting in forward"))
-    return Run(args, split, comm, model, ddp, strategy, torch_peer, optimizer, scaler,
-               schedule, sampler, loader, steps_per_epoch, clock, sent, stepper=stepper)
+    board = None
+    if args.tensorboard and comm.rank == 0:  # torch's writer; needs the tensorboard package
+        from torch.utils.tensorboard import SummaryWriter
+        board = SummaryWriter(args.tensorboard)
+    return Run(args, task, comm, model, ddp, strategy, torch_peer, optimizer, scaler,
+               schedule, sampler, loader, steps_per_epoch, total_steps, clock, sent,
+               stepper=stepper, board=board)
 
 
 def wrap_model(args: argparse.Namespace, model: torch.nn.Module, strategy, comm,
@@ -282,43 +295,36 @@ def wrap_model(args: argparse.Namespace, model: torch.nn.Module, strategy, comm,
                                                moments="loop")
 
 
-def shard_loader(args: argparse.Namespace, split: data.DataSplit,
+def shard_loader(args: argparse.Namespace, task: tasks.Task,
                  comm) -> Tuple[Any, DataLoader]:
     """This rank's part of the training split in batches of --batch-size.
 
-    --shards static: every rank's DistributedSampler has the same seed, so each epoch's
-    shards are disjoint; the last, short batch is dropped so that every rank takes the
-    same number of steps. --shards dynamic: a rank takes one step's images at a time
+    --shards static: the task's sampler (images: every rank's DistributedSampler has the
+    same seed, so each epoch's shards are disjoint; text: disjoint random windows,
+    --eval-every steps' worth); the last, short batch is dropped so that every rank
+    takes the same number of steps. --shards dynamic: a rank takes one step's images at a time
     from the epoch's queue (dynamic_shards.py); collective, since rank 0 hosts the
     queue's counter."""
     if args.shards == "dynamic":
         counter = ClaimCounter.open(comm, args.timeout)
-        shards = DynamicShards(len(split.train), args.batch_size, args.accum_steps,
+        shards = DynamicShards(len(task.train_set), args.batch_size, args.accum_steps,
                                args.seed, counter, comm.world_size)
         if shards.claims_per_epoch < 1:
-            fail(f"the training split has {len(split.train)} images: fewer than "
+            fail(f"the training split has {len(task.train_set)} images: fewer than "
                  f"--batch-size {args.batch_size} x --accum-steps {args.accum_steps}")
         # workers fetch ahead: one micro-batch each at most, as each fetch takes claims
         ahead = {"prefetch_factor": 1} if args.workers else {}
-        return shards, DataLoader(split.train, batch_sampler=shards,
+        return shards, DataLoader(task.train_set, batch_sampler=shards,
                                   num_workers=args.workers, **ahead)
-    sampler = DistributedSampler(split.train, num_replicas=comm.world_size, rank=comm.rank,
-                                 shuffle=True, seed=args.seed)
-    loader = DataLoader(split.train, batch_size=args.batch_size, sampler=sampler,
+    # a language model's epoch is --eval-every steps of random windows
+    per_rank = args.eval_every * args.batch_size * args.accum_steps if args.steps else None
+    sampler = task.sampler(comm, args.seed, per_rank)
+    loader = DataLoader(task.train_set, batch_size=args.batch_size, sampler=sampler,
                         num_workers=args.workers, drop_last=True)
     if len(loader) < args.accum_steps:
         fail(f"each rank has {len(sampler)} training images: fewer than --batch-size "
              f"{args.batch_size} x --accum-steps {args.accum_steps}")
     return sampler, loader
-
-
-def lr_schedule(args: argparse.Namespace, optimizer: torch.optim.Optimizer,
-                steps_per_epoch: int):
-    """--schedule: constant, or cosine decay to 0 over every step of --epochs."""
-    if args.schedule == "constant":
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda=lambda done: 1.0)
-    return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer,
-                                                      T_max=args.epochs * steps_per_epoch)
 
 
 # --- resume ----------------------------------------------------------------------------
@@ -348,6 +354,7 @@ def resume(run: Run, saved: dict) -> None:
     run.schedule.load_state_dict(mine["schedule"])
     run.strategy.load_state_dict(mine["strategy"])
     run.step = mine.get("step", saved["step"])  # a rank's own count (--shards dynamic)
+    run.sent_total, run.seconds_total = saved.get("totals", (0.0, 0.0))
     checkpoint.restore_rng_state(mine["rng"])
 
 
@@ -366,8 +373,8 @@ def check_state_flags(args: argparse.Namespace, saved: dict) -> None:
 
 
 def evaluate_checkpoint(run: Run, saved: dict) -> None:
-    """--eval-only: the test accuracy of the checkpoint's "model", printed and appended to
-    --metrics (marked eval_only).
+    """--eval-only: the score of the checkpoint's "model" (test accuracy, held-out bits
+    per byte), printed and appended to --metrics (marked eval_only).
 
     "model" is the model that epoch evaluated (see `evaluated_model`), the same on every
     rank: it is scored as it is, with no averaging, so the figure is exactly the one
@@ -376,13 +383,12 @@ def evaluate_checkpoint(run: Run, saved: dict) -> None:
     args, epoch = run.args, saved["epoch"]
     model = copy.deepcopy(run.model)  # the architecture; the weights come next
     model.load_state_dict(saved["model"])
-    accuracy, _ = evaluate(model, run.split.test, run.comm, run.comm.device,
-                           args.batch_size, args.amp)
-    run.say(f"checkpoint {args.resume} (epoch {epoch}): test accuracy {accuracy:.2%}")
+    figures = run.task.evaluate(model, run.comm, run.comm.device, args.batch_size, args.amp)
+    run.say(f"checkpoint {args.resume} (epoch {epoch}): "
+            f"{run.task.score_text(figures[run.task.score_key])}")
     if run.comm.rank == 0 and args.metrics:
         with open(args.metrics, "a") as out:
-            out.write(json.dumps({"epoch": epoch, "test_acc": accuracy,
-                                  "eval_only": True}) + "\n")
+            out.write(json.dumps({"epoch": epoch, **figures, "eval_only": True}) + "\n")
 
 
 # --- one epoch -------------------------------------------------------------------------
@@ -409,20 +415,22 @@ def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
     run.clock.reset()  # seconds the training thread waits on communication, from here
     started = time.perf_counter()
     losses = []
-    micro_batches = run.steps_per_epoch * args.accum_steps
+    micro_batches = steps_in_epoch(run, epoch) * args.accum_steps
     batches = progress(run.loader, f"epoch {epoch}/{args.epochs}", micro_batches,
                        args.progress, show=run.comm.rank == 0)
-    for index, (images, labels) in enumerate(batches):
+    for index, (inputs, targets) in enumerate(batches):
         if index >= micro_batches and args.shards == "static":
             break  # an incomplete accumulation at the end of the epoch is dropped
-        images, labels = images.to(device), labels.to(device)
+        inputs, targets = inputs.to(device), targets.to(device)
         if index % args.accum_steps == 0:  # a new optimizer step begins
             step_started = time.perf_counter_ns()
             trace_only_chosen_steps(run)
         last_micro = (index + 1) % args.accum_steps == 0
-        losses.append(forward_backward(run, images, labels, synchronise=last_micro))
+        losses.append(forward_backward(run, inputs, targets, synchronise=last_micro))
         if last_micro and optimizer_step(run, step_started) and run.comm.rank == 0:
             batches.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)  # at its next redraw
+            if run.board is not None:  # rank 0's own loss: no collective every step
+                run.board.add_scalar("train/loss", losses[-1], run.step)
     if run.stepper is not None:  # the last step, before evaluating or saving (its waits
         run.stepper.flush()      # are the clock's already)
     with run.clock.blocking("drain"):  # the epoch's background communication ends in it
@@ -433,6 +441,13 @@ def train_one_epoch(run: Run, epoch: int) -> EpochTrained:
                         background_comm_seconds(run.ddp, run.strategy) - busy_before)
 
 
+def steps_in_epoch(run: Run, epoch: int) -> int:
+    """The optimizer steps epoch `epoch` takes: steps_per_epoch, but a language model's
+    last epoch takes what is left of --steps."""
+    left = run.total_steps - (epoch - 1) * run.steps_per_epoch
+    return min(run.steps_per_epoch, left) if run.args.steps else run.steps_per_epoch
+
+
 def trace_only_chosen_steps(run: Run) -> None:
     """With --trace, record the optimizer step about to begin only if --trace-steps
     names it: a few steady steps, not the whole run."""
@@ -441,7 +456,7 @@ def trace_only_chosen_steps(run: Run) -> None:
         (trace.resume if first <= run.step + 1 <= last else trace.pause)()
 
 
-def forward_backward(run: Run, images: torch.Tensor, labels: torch.Tensor,
+def forward_backward(run: Run, inputs: torch.Tensor, targets: torch.Tensor,
                      synchronise: bool) -> float:
     """One micro-batch's forward and backward; its gradients are synchronised only when
     `synchronise` (the last micro-batch of a step), accumulated locally before that.
@@ -450,7 +465,7 @@ def forward_backward(run: Run, images: torch.Tensor, labels: torch.Tensor,
     with (contextlib.nullcontext() if synchronise else run.ddp.no_sync()):
         with autocast(run.comm.device, args.amp), trace.span("forward", cat="compute"):
             # divided so that the accumulated gradient is the mean over the micro-batches
-            loss = F.cross_entropy(run.ddp(images), labels) / args.accum_steps
+            loss = run.task.loss(run.ddp(inputs), targets) / args.accum_steps
         run.clock.backward(run.scaler.scale(loss))
     return loss.item() * args.accum_steps
 
@@ -464,6 +479,9 @@ def optimizer_step(run: Run, step_started: int) -> bool:
     if args.skip_nonfinite and not gradients_finite(run):
         skip_step(run)
         return False
+    if args.clip_grad:  # on the gradients the step will apply (unscaled first)
+        run.scaler.unscale_(run.optimizer)
+        torch.nn.utils.clip_grad_norm_(run.model.parameters(), args.clip_grad)
     with trace.span("optimizer", cat="compute"):
         if run.stepper is not None:  # taken inside the next forward
             run.stepper.step()
@@ -476,7 +494,7 @@ def optimizer_step(run: Run, step_started: int) -> bool:
         run.strategy.after_step(run.model, run.step)
     run.optimizer.zero_grad(set_to_none=True)
     trace.add(f"step {run.step}", "step", step_started, time.perf_counter_ns(),
-              step=run.step, sync=args.sync)
+              step=run.step, sync=args.sync, model=args.arch, batch=args.batch_size)
     return True
 
 
@@ -515,9 +533,11 @@ def evaluated_model(run: Run) -> torch.nn.Module:
     return evaluated_copy(run.model, run.strategy, run.comm)
 
 
-def summarise_epoch(run: Run, epoch: int, trained: EpochTrained, accuracy: float) -> dict:
+def summarise_epoch(run: Run, epoch: int, trained: EpochTrained, figures: dict) -> dict:
     """The epoch's record (one line of --metrics): the train loss averaged over ranks,
-    throughput, bytes sent, and the shares of time spent communicating."""
+    the task's held-out figures, throughput, bytes sent, and the shares of time spent
+    communicating; with the run's totals so far (steps, bytes, seconds), the axes of
+    loss against steps, bytes and time."""
     args = run.args
     # summed over the ranks, which may have trained unequal parts (--shards dynamic)
     world = run.comm.world_size
@@ -527,9 +547,14 @@ def summarise_epoch(run: Run, epoch: int, trained: EpochTrained, accuracy: float
     collectives.all_reduce(totals, op="sum", algorithm="auto", comm=run.comm, check=False)
     micro_batches = totals[1].item()
     seconds = trained.train_seconds
+    run.sent_total += trained.sent_bytes
+    run.seconds_total += seconds
+    samples = micro_batches * args.batch_size
     return {"epoch": epoch, "train_loss": totals[0].item() / max(micro_batches, 1),
-            "test_acc": accuracy,
-            "images_per_s": micro_batches * args.batch_size / seconds,
+            **figures,
+            run.task.throughput_key: samples * run.task.units_per_sample / seconds,
+            "step": run.step, "sent_total": run.sent_total,
+            "train_seconds_total": run.seconds_total,
             "comm_bytes": trained.sent_bytes,
             "bytes_per_step": trained.sent_bytes / max(trained.steps, 1),
             "steps": trained.steps,
@@ -546,14 +571,35 @@ def report(run: Run, record: dict) -> None:
     """Rank 0 prints the epoch's line and appends its record to --metrics."""
     args = run.args
     busy_text = "-" if run.torch_peer else f"{record['comm_share']:.0%}"
-    run.say(f"epoch {record['epoch']}/{args.epochs}: train loss {record['train_loss']:.4f}  "
-            f"test acc {record['test_acc']:.2%}  {record['images_per_s']:.0f} img/s  comm busy "
+    task = run.task
+    where = (f"step {record['step']}/{run.total_steps}" if args.steps
+             else f"epoch {record['epoch']}/{args.epochs}")
+    run.say(f"{where}: train loss {record['train_loss']:.4f}  {task.figures_text(record)}  "
+            f"{record[task.throughput_key]:.0f} {task.units}/s  comm busy "
             f"{busy_text}, waited {record['waited_share']:.0%} of time, "
             f"{record['bytes_per_step'] / 2**20:.2f} MiB/step sent  ({record['seconds']:.1f} s)",
             flush=True)
     if run.comm.rank == 0 and args.metrics:
         with open(args.metrics, "a") as out:
             out.write(json.dumps(record) + "\n")
+    if run.board is not None:
+        write_board(run.board, record, task)
+
+
+def write_board(board, record: dict, task: tasks.Task) -> None:
+    """The evaluation's figures to TensorBoard against the step, and against what it cost:
+    the MiB this rank has sent and the seconds trained (as steps of their own tags:
+    TensorBoard's x axis is a step)."""
+    for key in ("test_loss", task.score_key, "test_ppl", "train_loss"):
+        if key in record:
+            value, name = record[key], key.replace("test_", "held_out_" if
+                                                    task.kind == "language" else "test_")
+            board.add_scalar(f"by_step/{name}", value, record["step"])
+            board.add_scalar(f"by_MiB_sent/{name}", value, round(record["sent_total"] / 2**20))
+            board.add_scalar(f"by_seconds/{name}", value, round(record["train_seconds_total"]))
+    board.add_scalar(f"throughput/{task.throughput_key}", record[task.throughput_key],
+                     record["step"])
+    board.flush()
 
 
 def rank_state(run: Run) -> dict:
@@ -565,11 +611,11 @@ def rank_state(run: Run) -> dict:
 
 
 def save_checkpoint(run: Run, epoch: int, evaluated: torch.nn.Module,
-                    accuracy: float) -> None:
+                    score: float) -> None:
     """--checkpoint-dir/checkpoint.pt, written atomically by rank 0: all that `resume`
     needs to continue bit for bit, every rank's state in "ranks", with the flags that
     made it; "model" is the epoch's evaluated model (`evaluated_model`), the one its
-    accuracy belongs to (--eval-only reads it).
+    score belongs to (--eval-only reads it).
 
     Collective: every rank calls it, and sends its state to rank 0."""
     args = run.args
@@ -580,7 +626,8 @@ def save_checkpoint(run: Run, epoch: int, evaluated: torch.nn.Module,
     try:
         checkpoint.save_atomically(
             {"model": evaluated.state_dict(), "epoch": epoch, "step": run.step,
-             "args": vars(args), "world_size": run.comm.world_size, "test_acc": accuracy,
+             "args": vars(args), "world_size": run.comm.world_size,
+             run.task.score_key: score, "totals": (run.sent_total, run.seconds_total),
              "ranks": ranks}, path)
     except OSError as error:  # a full disk, no permission: the last checkpoint stays whole
         print(f"trainer: error: rank 0: cannot write the checkpoint {path}: {error}",
@@ -588,17 +635,22 @@ def save_checkpoint(run: Run, epoch: int, evaluated: torch.nn.Module,
         collectives.abort(1)  # the other ranks wait in the next collective: end them too
 
 
-def reached_stop_at(run: Run, accuracy: float) -> bool:
-    """--stop-at: the accuracy is all-reduced, so every rank decides alike and all stop
-    together; the schedule still spans --epochs."""
+def reached_stop_at(run: Run, score: float) -> bool:
+    """--stop-at: the score is all-reduced, so every rank decides alike and all stop
+    together; the schedule still spans the whole run."""
     stop_at = run.args.stop_at
-    if stop_at is not None and accuracy >= stop_at:
-        run.say(f"test accuracy {accuracy:.2%} reached --stop-at {stop_at:.2%}: stopping")
+    if stop_at is not None and run.task.reached(score, stop_at):
+        run.say(f"{run.task.score_text(score)} reached --stop-at {stop_at}: stopping")
         return True
     return False
 
 
-def finish(run: Run, started: float, accuracy: float) -> None:
+def saved_score(saved: dict) -> Optional[float]:
+    """The score of the epoch a checkpoint ended (test_acc or test_bpb)."""
+    return next((saved[key] for key in ("test_acc", "test_bpb") if key in saved), None)
+
+
+def finish(run: Run, started: float, score: Optional[float]) -> None:
     """Close the strategy (its threads), merge the trace, and print the last line."""
     args = run.args
     run.strategy.close()
@@ -607,4 +659,7 @@ def finish(run: Run, started: float, accuracy: float) -> None:
         run.say(f"trace of steps {args.trace_steps[0]}-{args.trace_steps[1]}: {merged} (open "
                 f"it in https://ui.perfetto.dev; `python -m collectives.trace {args.trace}` "
                 "draws it)")
-    run.say(f"done in {time.perf_counter() - started:.1f} s: test accuracy {accuracy:.2%}")
+    if run.board is not None:
+        run.board.close()
+    scored = "" if score is None else f": {run.task.score_text(score)}"
+    run.say(f"done in {time.perf_counter() - started:.1f} s{scored}")

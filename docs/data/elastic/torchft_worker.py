@@ -52,10 +52,11 @@ from torchft import DistributedDataParallel, Manager, ProcessGroupGloo  # noqa: 
 from torchft.data import DistributedSampler  # noqa: E402
 from torchft.optim import OptimizerWrapper  # noqa: E402
 
-from trainer.loop import data  # noqa: E402
+from trainer.tasks import image_data as data  # noqa: E402
 from trainer.loop.cli import build_parser  # noqa: E402
 from trainer.loop.dynamic_shards import cosine_decay  # noqa: E402
-from trainer.loop.networks import build_model, seed_everything  # noqa: E402
+from trainer.tasks.resnets import build_model  # noqa: E402
+from trainer.loop.checkpoint import seed_everything  # noqa: E402
 
 
 class SurvivingDDP(DistributedDataParallel):

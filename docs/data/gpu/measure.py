@@ -22,7 +22,7 @@ import statistics
 import torch
 import torch.nn.functional as F
 
-from trainer.loop.networks import build_model
+from trainer.tasks.resnets import build_model
 
 
 def cuda_ms(fn, repeats: int, warmup: int = 5) -> float:

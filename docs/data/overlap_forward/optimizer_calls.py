@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from trainer.loop.networks import build_model
+from trainer.tasks.resnets import build_model
 
 REPEATS = 20
 

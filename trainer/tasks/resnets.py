@@ -7,10 +7,6 @@ the CIFAR ResNets of He et al.), and take the number of input channels from the 
 """
 from __future__ import annotations
 
-import random
-
-import numpy as np
-import torch
 import torchvision
 from torch import nn
 
@@ -27,10 +23,3 @@ def build_model(arch: str, channels: int, num_classes: int, image_size: int) -> 
     elif channels != 3:
         model.conv1 = nn.Conv2d(channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
     return model
-
-
-def seed_everything(seed: int) -> None:
-    """The same seed for torch, numpy and Python on every rank: the same initial weights."""
-    torch.manual_seed(seed)
-    np.random.seed(seed)
-    random.seed(seed)
