@@ -239,19 +239,6 @@ def check_broadcast_gather_scatter(comm):
     return digests
 
 
-if __name__ == "__main__":
-    comm = collectives.init(backend="mpi", timeout=60)
-    results = [check_all_reduce(comm, dtypes=[torch.float32, torch.bfloat16, torch.int64]),
-               check_ring_segments(comm), check_broadcast_gather_scatter(comm),
-               check_product(comm)]
-    # all ranks must hold bitwise identical results: compare digests with rank 0's
-    from mpi4py import MPI
-    first = MPI.COMM_WORLD.bcast(results, root=0)
-    assert results[0] == first[0] and results[1] == first[1] and results[3] == first[3], \
-        "ranks differ"
-    sys.stdout.write(f"rank {comm.rank} ({comm.name}): {sum(map(len, results))} checks ok\n")
-
-
 def check_public_calls_on_a_group(comm):
     """The public calls on some ranks of the world (transport/group.py: no native
     collectives): `auto` picks algorithms built from point-to-point where it would pick
@@ -279,3 +266,31 @@ def check_public_calls_on_a_group(comm):
     except ValueError as error:
         assert "native" in str(error), error
     return small.tolist()
+
+
+def main(checks):
+    """Under mpirun, on the mpi backend: `checks` names what runs, in one job (one
+    start-up of the ranks): "transport" (checks_transport.py's, printing its line) and
+    "algorithms" (a subset of the above, printing `N checks ok`)."""
+    unknown = set(checks) - {"transport", "algorithms"}
+    if unknown:
+        sys.exit(f"checks_algorithms.py: unknown checks {sorted(unknown)}")
+    comm = collectives.init(backend="mpi", timeout=60)
+    if "transport" in checks:
+        from checks_transport import check_transport
+        result = check_transport(comm)
+        sys.stdout.write(f"rank {comm.rank} of {comm.world_size} ({comm.name}): {result}\n")
+    if "algorithms" in checks:
+        results = [check_all_reduce(comm, dtypes=[torch.float32, torch.bfloat16, torch.int64]),
+                   check_ring_segments(comm), check_broadcast_gather_scatter(comm),
+                   check_product(comm)]
+        # all ranks must hold bitwise identical results: compare digests with rank 0's
+        from mpi4py import MPI
+        first = MPI.COMM_WORLD.bcast(results, root=0)
+        assert results[0] == first[0] and results[1] == first[1] and results[3] == first[3], \
+            "ranks differ"
+        sys.stdout.write(f"rank {comm.rank} ({comm.name}): {sum(map(len, results))} checks ok\n")
+
+
+if __name__ == "__main__":  # mpirun -np 4 python checks_algorithms.py [transport] [algorithms]
+    main(sys.argv[1:] or ["algorithms"])

@@ -2,6 +2,8 @@
 
     python checks_cluster.py BACKEND algorithms OUTDIR   every algorithm against numpy,
                                                           plus NIC bytes per algorithm
+    python checks_cluster.py BACKEND paired OUTDIR       the same, each dtype and op once
+                                                          (PAIRS), not every combination
     python checks_cluster.py BACKEND loop OUTDIR         all-reduce until a peer fails
     python checks_cluster.py BACKEND ddp OUTDIR          our DDP equals torch's DDP
     python checks_cluster.py BACKEND slurm OUTDIR        under srun: every algorithm (float32,
@@ -23,6 +25,22 @@ from collectives import cluster
 from checks_algorithms import check_all_reduce, check_ring_segments
 
 NIC_PROBE_BYTES = 4 << 20  # big enough that barriers and handshakes are noise beside it
+
+# Every dtype and every op, each in one pair rather than in every combination: 6
+# all-reduces per algorithm and size instead of 24. What hosts change is the route
+# between ranks, not the arithmetic of a dtype or an op: every combination, and the
+# ring's tiny segments, are checked on one host at world sizes 1-6 and over TCP
+# (test_algorithms.py), and across hosts on one cluster of test_cluster.py.
+PAIRS = [(torch.float32, "sum"), (torch.float64, "avg"), (torch.float16, "max"),
+         (torch.bfloat16, "min"), (torch.int32, "avg"), (torch.int64, "min")]
+
+
+def check_pairs(comm, algorithm_names=None, pairs=PAIRS):
+    """check_all_reduce for each (dtype, op) of `pairs`: every algorithm and size."""
+    digests = {}
+    for dtype, op in pairs:
+        digests.update(check_all_reduce(comm, algorithm_names, dtypes=[dtype], ops=[op]))
+    return digests
 
 
 def bytes_sent(comm, algorithm: str) -> dict:
@@ -47,24 +65,32 @@ def bytes_sent(comm, algorithm: str) -> dict:
     return {"nic": cluster.link_bytes()["sent"] - before, **routes}
 
 
-def pipelined_hierarchy(comm):
+def pipelined_hierarchy(comm, paired):
     """The hierarchical all-reduce with its phases pipelined over chunks (made tiny
     here so that small tensors take that path too)."""
     from collectives.algorithms import hierarchical
     saved = hierarchical.PIPELINE_CHUNK_BYTES
     hierarchical.PIPELINE_CHUNK_BYTES = 64
     try:
+        if paired:
+            return check_pairs(comm, ["hierarchical"], [
+                (torch.float32, "sum"), (torch.float16, "avg"), (torch.int64, "max"),
+                (torch.float32, "min")])
         return check_all_reduce(comm, ["hierarchical"],
                                 dtypes=[torch.float32, torch.float16, torch.int64])
     finally:
         hierarchical.PIPELINE_CHUNK_BYTES = saved
 
 
-def algorithms_case(comm):
-    digests = check_all_reduce(comm)  # every algorithm, op, dtype and awkward size
+def algorithms_case(comm, paired=False):
+    """Every algorithm and awkward size against numpy: every op and dtype in every
+    combination (or `paired`: each once, PAIRS), the pipelined hierarchy, the ring's
+    tiny segments (not `paired`); then what each algorithm sends."""
+    # every algorithm, op, dtype and awkward size
+    digests = check_pairs(comm) if paired else check_all_reduce(comm)
     digests.update({("pipelined",) + key: value
-                    for key, value in pipelined_hierarchy(comm).items()})
-    segments = check_ring_segments(comm)
+                    for key, value in pipelined_hierarchy(comm, paired).items()})
+    segments = {} if paired else check_ring_segments(comm)
     sent = {name: bytes_sent(comm, name) for name in ("ring", "naive", "hierarchical")}
     return {"digest": str(sorted(digests.items())) + str(sorted(segments.items())),
             "checks": len(digests) + len(segments), "sent": sent}
@@ -131,7 +157,8 @@ def main(backend: str, case: str, outdir: str) -> None:
     comm = collectives.init(backend=backend, timeout=float(os.environ.get("CHECK_TIMEOUT", 30)))
     result = {"rank": comm.rank, "hostname": socket.gethostname(), "transport": comm.name,
               "local_rank": comm.local_rank}
-    cases = {"algorithms": algorithms_case, "ddp": ddp_case,
+    cases = {"algorithms": algorithms_case,
+             "paired": lambda comm: algorithms_case(comm, paired=True), "ddp": ddp_case,
              "loop": lambda comm: loop_case(comm, outdir), "slurm": slurm_case}
     result.update(cases[case](comm))
     result["finished_at"] = time.monotonic()

@@ -44,9 +44,9 @@ def image_models_made_by(make):
 @contextlib.contextmanager
 def trainer_on(comm, keep_every_epoch=False, image_model=tiny_model):
     """train.train() runs on `comm` (it neither connects nor disconnects) and builds
-    `image_model` for images (a language model is the trainer's own); keep_every_epoch:
-    rank 0 also copies each epoch's checkpoint to epoch<N>.pt beside it, so that one run
-    leaves the checkpoint of every epoch."""
+    `image_model` for images (None: the trainer's own --arch; a language model is the
+    trainer's own); keep_every_epoch: rank 0 also copies each epoch's checkpoint to
+    epoch<N>.pt beside it, so that one run leaves the checkpoint of every epoch."""
     saved = (train.connect, ImageClassification.build_model, train.save_checkpoint,
              collectives.destroy)
 
@@ -58,7 +58,8 @@ def trainer_on(comm, keep_every_epoch=False, image_model=tiny_model):
                         os.path.join(folder, f"epoch{epoch}.pt"))
 
     train.connect = lambda args: comm
-    ImageClassification.build_model = image_models_made_by(image_model)
+    if image_model is not None:
+        ImageClassification.build_model = image_models_made_by(image_model)
     train.save_checkpoint, collectives.destroy = save_and_keep, (lambda: None)
     try:
         yield
@@ -80,6 +81,24 @@ def straight_and_resumed(comm, folder, flags, epochs):
     with trainer_on(comm):
         train.train([*common, "--checkpoint-dir", os.path.join(folder, "resumed"),
                      "--resume", os.path.join(folder, "straight", "epoch1.pt")])
+    return "ok"
+
+
+def case_folder(name: str) -> str:
+    """The folder of case `name` (a sync and its options, say "topk --amp fp16")."""
+    return name.replace(" ", "_")
+
+
+def resumed_runs(comm, folder, cases):
+    """straight_and_resumed (2 epochs) for each (name, flags) of `cases`, one after
+    another in this world; folder/case_folder(name)/ holds each case's checkpoints. A
+    case that fails is named in the error."""
+    for name, flags in cases:
+        try:
+            straight_and_resumed(comm, os.path.join(folder, case_folder(name)), flags, 2)
+        except Exception as error:
+            raise RuntimeError(f"case {name!r} failed on rank {comm.rank}") from error
+        comm.barrier()
     return "ok"
 
 
@@ -164,15 +183,16 @@ def extended_by_resume(comm, folder, flags):
     return "ok"
 
 
-def printed_by_runs(comm, folder, runs):
+def printed_by_runs(comm, folder, runs, image_model=tiny_model):
     """Trainer runs one after another in `folder` (each a list of flags), on `comm` with
-    tiny_model; returns, per run, what rank 0 printed and how it ended: the exit code
-    argparse's kind of error gives (2), or 0, and its stderr."""
+    `image_model` (None: the trainer's own); returns, per run, what rank 0 printed and
+    how it ended: the exit code argparse's kind of error gives (2), or 0, and its
+    stderr."""
     os.chdir(folder)
     outcomes = []
     for flags in runs:
         printed, errors, code = io.StringIO(), io.StringIO(), 0
-        with trainer_on(comm), contextlib.redirect_stdout(printed), \
+        with trainer_on(comm, image_model=image_model), contextlib.redirect_stdout(printed), \
                 contextlib.redirect_stderr(errors):
             try:
                 train.train(flags)

@@ -33,6 +33,7 @@ plain process, no launcher). The tests (test_exit.py) run a few jobs of each; th
 from __future__ import annotations
 
 import argparse
+import atexit
 import os
 import re
 import shutil
@@ -94,6 +95,8 @@ def _rank_case(case: str, backend: str) -> None:
     _record_created_segments()
     if case == "init-fail":
         _fail_while_the_segments_exist()
+    if case == "stall":
+        _shorten_the_exit_grace_and_mark_its_end()
     comm = collectives.init(backend=backend, timeout=RANK_TIMEOUT)
     collectives.all_reduce(torch.ones(1000), op="sum")
     if case == "stall":
@@ -166,6 +169,23 @@ def _fail_while_the_segments_exist() -> None:
     shm._Segment.__init__ = failing
 
 
+STALL_GRACE_SECONDS = 2.0  # the stall case's exit grace: any wait shows the same thing
+
+
+def _shorten_the_exit_grace_and_mark_its_end() -> None:
+    """For the stall case, before init(): the exit's grace (EXIT_GRACE_SECONDS) becomes
+    STALL_GRACE_SECONDS, since the reduction waits on a peer that never comes however
+    long it is given; and an exit handler writes $EXIT_CLEANLY_DIR/past-grace-<pid>
+    once the exit hook has given the comm thread its grace and chosen to close or not.
+    Registered before init() installs the exit hook, it runs after it (atexit runs the
+    last registered first), so the stalled peer can stop waiting as soon as the exit it
+    stalls is past that choice."""
+    from collectives.launch import exit as launch_exit
+    launch_exit.EXIT_GRACE_SECONDS = STALL_GRACE_SECONDS
+    marker = os.path.join(os.environ["EXIT_CLEANLY_DIR"], f"past-grace-{os.getpid()}")
+    atexit.register(lambda: open(marker, "w").close())
+
+
 def _stall_with_a_reduction_in_flight(comm) -> None:
     """Rank 0 ends its script while its comm thread is still inside a bucket's
     reduction: backward hands the bucket to the thread (a Bucketer, as DDP's, whose
@@ -174,8 +194,9 @@ def _stall_with_a_reduction_in_flight(comm) -> None:
     rank 1, then ends without communicating. (Not the Horovod face: its engine tells
     the other ranks when one ends, and the reduction fails at once.)
 
-    Rank 1 stalls until rank 0 is gone, or at most a few seconds past the grace: under
-    mpirun, rank 0's MPI_Finalize waits for rank 1's."""
+    Rank 1 stalls until rank 0 is gone or past its exit hook's choice (the marker of
+    _shorten_the_exit_grace_and_mark_its_end), or at most a few seconds past the grace:
+    under mpirun, rank 0's MPI_Finalize waits for rank 1's."""
     import torch
     import collectives
     from collectives.bucketer import Bucketer, BucketOptions
@@ -196,7 +217,9 @@ def _stall_with_a_reduction_in_flight(comm) -> None:
     while not os.path.exists(ending) and time.monotonic() < deadline:
         time.sleep(0.1)
     deadline = min(deadline, time.monotonic() + EXIT_GRACE_SECONDS + 5)
-    while _alive(int(pids[0])) and time.monotonic() < deadline:
+    past_grace = os.path.join(os.environ["EXIT_CLEANLY_DIR"], f"past-grace-{int(pids[0])}")
+    while (_alive(int(pids[0])) and not os.path.exists(past_grace)
+           and time.monotonic() < deadline):
         time.sleep(0.1)
 
 

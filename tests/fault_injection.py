@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from distributed import run_world  # noqa: E402
+from distributed import _rank_context, run_world  # noqa: E402
 from launchers import mpirun, python, rank_env, run, trainer  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,15 +100,24 @@ def rank_kill_during_startup_broadcast(comm, stamp):
 
 
 def rank_stall_during_all_reduce(comm, stamp):
+    """Rank 1 hangs: alive, connected, silent, until every other rank has given up (each
+    leaves a file saying so next to `stamp`), or 60 s."""
     import collectives
+    gave_up = os.path.join(os.path.dirname(stamp), "gave up by rank {}")
     if comm.rank == 1:
         with open(stamp, "w") as out:
             out.write(repr(time.time()))
-        time.sleep(60)  # a hung rank: alive, connected, silent
+        others, deadline = [r for r in range(comm.world_size) if r != 1], time.time() + 60
+        while time.time() < deadline and not all(os.path.exists(gave_up.format(r))
+                                                 for r in others):
+            time.sleep(0.1)
+        return None
     try:
         collectives.all_reduce(torch.ones(1 << 16), algorithm="ring", check=False)
     except Exception as error:
-        return _failure(error)
+        failure = _failure(error)
+        open(gave_up.format(comm.rank), "w").close()
+        return failure
     return None
 
 
@@ -227,23 +236,33 @@ def _mismatch_case(kind, words, debug=False):
     return case
 
 
+def save_checkpoints_until_killed(path: str) -> None:
+    """Save checkpoint after checkpoint (16 MB each, about 0.1 s) to `path`, for ever."""
+    if ROOT not in sys.path:
+        sys.path.insert(0, ROOT)
+    from trainer.loop import checkpoint
+    for version in range(10**6):
+        checkpoint.save_atomically({"version": version,
+                                    "weights": torch.full((4_000_000,), float(version))}, path)
+
+
 def case_checkpoint_killed_during_saves(runs=10):
-    """SIGKILL a process that keeps saving checkpoints, at random moments; load after."""
-    code = ("import sys, torch; sys.path.insert(0, {root!r}); from trainer.loop import checkpoint\n"
-            "for version in range(10**6):\n"
-            "    checkpoint.save_atomically({{'version': version, 'weights': "
-            "torch.full((4_000_000,), float(version))}}, {path!r})\n")
+    """SIGKILL a process that keeps saving checkpoints, at random moments; load after.
+    The writer is forked from run_world's server, which has imported torch: it starts
+    in a fraction of a second."""
     outcomes = []
     for trial in range(runs):
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "checkpoint.pt")
-            writer = subprocess.Popen([sys.executable, "-c", code.format(root=ROOT, path=path)])
+            writer = _rank_context().Process(target=save_checkpoints_until_killed,
+                                             args=(path,), daemon=True)
+            writer.start()
             deadline = time.time() + 60
             while not os.path.exists(path) and time.time() < deadline:
                 time.sleep(0.05)
-            time.sleep(random.uniform(0.0, 1.5))  # then die at a random moment
-            writer.send_signal(signal.SIGKILL)
-            writer.wait()
+            time.sleep(random.uniform(0.0, 0.6))  # then die at a random moment of a save
+            writer.kill()  # SIGKILL
+            writer.join()
             started = time.time()
             from trainer.loop import checkpoint
             try:

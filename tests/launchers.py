@@ -12,7 +12,9 @@ it to `run`:
 (`rank_env`), and fails with the command and the tail of what it printed, whether it
 exited non-zero or ran past its time; a command past its time is ended with everything
 it started. Tests that call a function on ranks inside the test process use
-tests/distributed.py's run_world instead: this module is for commands.
+tests/distributed.py's run_world instead: this module is for commands. A command that
+only joins a job and computes can run that way too (`as_launched`), without a fresh
+interpreter per rank; one test of each command's own start-up keeps the command itself.
 """
 from __future__ import annotations
 
@@ -88,6 +90,22 @@ LAUNCHERS: Dict[str, Callable[[int, Sequence[str]], List[str]]] = {
     "launch_mpi.sh": lambda nprocs, command: launch_mpi_sh(nprocs, *command),
     "torchrun": lambda nprocs, command: torchrun(nprocs, *command[1:]),
 }
+
+
+def as_launched(comm, module: str, argv: Sequence[str]) -> str:
+    """`python -m module argv` as one rank of a launcher's job, in this process, for
+    run_world(as_launched, N, backend=None, args=(module, argv)): its ranks have the
+    variables torchrun sets and the command joins the job itself, as it does under a
+    launcher (its --nproc would start a fresh interpreter per rank instead: seconds of
+    imports each). Its main() must return 0; returns what the rank printed."""
+    import contextlib
+    import importlib
+    import io
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        code = importlib.import_module(module).main(list(argv))
+    assert code in (0, None), f"python -m {module}: exit {code}\n{printed.getvalue()}"
+    return printed.getvalue()
 
 
 def run(argv: Sequence[str], cwd: Optional[str] = ROOT, timeout: float = TIMEOUT,

@@ -17,7 +17,7 @@ from collectives import api
 from collectives.algorithms import auto, tuning
 from collectives.transport.topology import Topology
 from distributed import run_world
-from launchers import python, rank_env, run
+from launchers import as_launched, python, rank_env, run
 
 KiB, MiB = 1 << 10, 1 << 20
 SIZES = [1, 4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 256 * MiB]
@@ -140,7 +140,7 @@ def python_m(module: str, *args: str, env=None) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.timeout(240)
-def test_tune_writes_a_table_init_then_follows(tmp_path):
+def test_tune_writes_a_table_init_then_follows(tmp_path, monkeypatch):
     out = tmp_path / "table.json"
     result = python_m("collectives.tune", "--nproc", "2", "--sizes", "4K,64K",
                       "--seconds-per-row", "0.05", "--trials", "1", "--out", str(out),
@@ -152,13 +152,16 @@ def test_tune_writes_a_table_init_then_follows(tmp_path):
     assert all(len(t) == len(written["sizes"]) for t in written["times_us"].values())
     assert table.rules[-1][0] is None and "# rules:" in result.stdout
     # bench, timing the algorithms in turns, says what each source of auto's choice
-    # would run at each size and how it compares with the quickest
+    # would run at each size and how it compares with the quickest (on 2 spawned ranks
+    # as a launcher's: launchers.as_launched; tune above went through --nproc)
     rows = tmp_path / "rows.jsonl"
-    result = python_m("collectives.bench", "--nproc", "2", "--sizes", "4K,64K", "--in-turns",
-                      "--algorithms", "ring,halving-doubling,tree,naive,native,auto", "--seconds-per-row", "0.05",
-                      "--trials", "1", "--no-handshake", "--json", str(rows),
-                      env={"COLLECTIVES_TUNING": str(out)})
-    assert f"# auto follows the table {out}" in result.stdout
+    monkeypatch.setenv("COLLECTIVES_TUNING", str(out))
+    printed = run_world(as_launched, 2, backend=None, timeout=200, args=(
+        "collectives.bench", ["--sizes", "4K,64K", "--in-turns", "--algorithms",
+                              "ring,halving-doubling,tree,naive,native,auto",
+                              "--seconds-per-row", "0.05", "--trials", "1", "--no-handshake",
+                              "--json", str(rows)]))[0]
+    assert f"# auto follows the table {out}" in printed
     autos = [row for row in map(json.loads, rows.read_text().splitlines())
              if row["algorithm"] == "auto"]
     assert [row["bytes"] for row in autos] == [4 * KiB, 64 * KiB]
@@ -166,4 +169,4 @@ def test_tune_writes_a_table_init_then_follows(tmp_path):
         assert row["in_turns"] and set(row["auto_over_quickest"]) == {"table", "model"}
         assert min(row["auto_over_quickest"].values()) >= 1.0
         chosen = table.choose(row["bytes"])
-        assert f"table {chosen} " in result.stdout
+        assert f"table {chosen} " in printed

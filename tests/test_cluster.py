@@ -125,22 +125,25 @@ def expected_bytes(ranks_per_host, host, size):
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("ranks_per_host,placement", [
-    ((1, 1), "consecutive"), ((2, 2), "consecutive"), ((2, 2, 2), "consecutive"),
-    ((1, 3), "consecutive"),
-    ((2, 2), "round robin"),  # mpirun -hosts node0,node1 deals ranks 0 2 | 1 3
+@pytest.mark.parametrize("ranks_per_host,placement,case", [
+    # every op x dtype once across hosts, where both routes (shm, network) carry the
+    # algorithms; each op and dtype once on the other clusters (checks_cluster's PAIRS)
+    ((2, 2), "consecutive", "algorithms"),
+    ((1, 1), "consecutive", "paired"), ((2, 2, 2), "consecutive", "paired"),
+    ((1, 3), "consecutive", "paired"),
+    ((2, 2), "round robin", "paired"),  # mpirun -hosts node0,node1 deals ranks 0 2 | 1 3
 ])
 def test_every_algorithm_is_right_across_hosts_and_the_bytes_follow_the_formulas(
-        ranks_per_host, placement, tmp_path):
+        ranks_per_host, placement, case, tmp_path):
     spec = ClusterSpec(ranks_per_host, bandwidth=FAST)
     with Network(spec) as network:
         if placement == "consecutive":
-            job = start_ranks(network, checks("algorithms") + [str(tmp_path)], prefix=False)
+            job = start_ranks(network, checks(case) + [str(tmp_path)], prefix=False)
             host_of = [h for h, count in enumerate(ranks_per_host) for _ in range(count)]
         else:
             hosts = ",".join(spec.hostname(h) for h in range(spec.hosts))
             job = start_mpirun(network, [find_mpirun()[0], "-np", str(spec.world_size),
-                                         "-hosts", hosts, *checks("algorithms"), str(tmp_path)])
+                                         "-hosts", hosts, *checks(case), str(tmp_path)])
             host_of = [rank % spec.hosts for rank in range(spec.world_size)]
         assert job.wait(timeout=360) == 0
     assert_removed(network)
@@ -266,17 +269,21 @@ def assert_a_cut_is_named_across_it(results, culprits):
 
 @pytest.mark.timeout(200)
 def test_mpirun_runs_across_the_emulated_hosts(tmp_path):
+    """mpirun fills each host in turn; both backends find their place and agree. gloo
+    checks each op and dtype once (PAIRS): every combination across hosts is
+    test_every_algorithm's; the mpi backend's (its native all-reduce maps each dtype
+    and op to MPI's) is checked here."""
     spec = ClusterSpec((2, 2), bandwidth=FAST)
     mpirun = find_mpirun()[0]
-    for backend in ("mpi", "gloo"):
-        out = tmp_path / backend
-        out.mkdir()
-        with Network(spec) as network:
-            job = start_mpirun(network, [mpirun, "-np", "4", *checks("algorithms", backend),
-                                         str(out)])
+    with Network(spec) as network:  # one job after the other on the same hosts
+        for backend, case in (("mpi", "algorithms"), ("gloo", "paired")):
+            (tmp_path / backend).mkdir()
+            job = start_mpirun(network, [mpirun, "-np", "4", *checks(case, backend),
+                                         str(tmp_path / backend)])
             assert job.wait(timeout=180) == 0, backend
-        assert_removed(network)
-        results = read_ranks(out, 4)
+    assert_removed(network)
+    for backend in ("mpi", "gloo"):
+        results = read_ranks(tmp_path / backend, 4)
         assert [r["hostname"] for r in results] == ["node0", "node0", "node1", "node1"]
         assert [r["local_rank"] for r in results] == [0, 1, 0, 1]
         assert {r["transport"] for r in results} == {backend + "+shm"}  # shm inside a host

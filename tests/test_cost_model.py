@@ -14,7 +14,8 @@ from collectives.algorithms.costs import Constants, Route, Shape, wire_beta
 from collectives.cost_model import calibrate as calibration
 from collectives.cost_model.units import parse_latency, parse_rate
 from collectives.transport.topology import Topology
-from launchers import python, run
+from distributed import run_world
+from launchers import as_launched, python, run
 
 # Round numbers, so every case below can be checked with pencil and paper.
 C = Constants(local=Route(1e-3, 1e-9), network=Route(1e-2, 1e-8), gamma=1e-10,
@@ -224,7 +225,19 @@ def test_the_shipped_constants_load_and_answer():
 
 # ---- the command line, end to end --------------------------------------------------------
 
-def test_calibrate_predict_and_check_end_to_end(tmp_path):
+def cost_model_command(capsys, *argv) -> str:
+    """What `python -m collectives.cost_model argv` prints, run in this process (the
+    commands that time nothing: predict, check); it must exit 0."""
+    from collectives.cost_model.__main__ import main
+    capsys.readouterr()  # what came before is not its
+    assert main(list(argv)) in (0, None)
+    return capsys.readouterr().out
+
+
+def test_calibrate_predict_and_check_end_to_end(tmp_path, capsys):
+    # calibrate as the command (it spawns its 2 ranks); bench on 2 spawned ranks as a
+    # launcher's (launchers.as_launched; its --nproc: test_auto.py's tune); predict and
+    # check, which only read files and compute, through the same main() in this process
     out = tmp_path / "here.json"
     done = run(python("-m", "collectives.cost_model", "calibrate", "--nproc", "2", "--out",
                       str(out), "--sizes", "4K,256K", "--trials", "1",
@@ -234,10 +247,10 @@ def test_calibrate_predict_and_check_end_to_end(tmp_path):
     assert len(saved["points"]) == 10 and "local.beta" in saved["measured"]
     assert "network.beta" not in saved["measured"]
 
-    asked = run(python("-m", "collectives.cost_model", "predict", "--constants", str(out),
-                       "--hosts", "3", "--ranks-per-host", "2", "--size", "16M",
-                       "--bandwidth", "50mbit", "--latency", "2ms"))
-    rows = [line.split() for line in asked.stdout.splitlines() if not line.startswith("#")][1:]
+    asked = cost_model_command(capsys, "predict", "--constants", str(out), "--hosts", "3",
+                               "--ranks-per-host", "2", "--size", "16M",
+                               "--bandwidth", "50mbit", "--latency", "2ms")
+    rows = [line.split() for line in asked.splitlines() if not line.startswith("#")][1:]
     assert sorted(r[0] for r in rows) == sorted(COSTS["all_reduce"])
     seconds = [float(r[1]) for r in rows]
     assert seconds == sorted(seconds)  # fastest first
@@ -245,12 +258,11 @@ def test_calibrate_predict_and_check_end_to_end(tmp_path):
     assert seconds[0] > 2 * (5 / 6) * (16 << 20) / (50e6 / 8) / 2
 
     rows_file = tmp_path / "bench.jsonl"
-    run(python("-m", "collectives.bench", "--nproc", "2", "--sizes", "4K,256K", "--algorithms",
-               "ring,tree", "--trials", "1", "--seconds-per-row", "0.05", "--no-handshake",
-               "--json", str(rows_file)))
-    checked = run(python("-m", "collectives.cost_model", "check", "--constants", str(out),
-                         str(rows_file)))
-    assert "4 points: median |error|" in checked.stdout
+    run_world(as_launched, 2, backend=None, timeout=200, args=("collectives.bench", [
+        "--sizes", "4K,256K", "--algorithms", "ring,tree", "--trials", "1",
+        "--seconds-per-row", "0.05", "--no-handshake", "--json", str(rows_file)]))
+    checked = cost_model_command(capsys, "check", "--constants", str(out), str(rows_file))
+    assert "4 points: median |error|" in checked
 
 
 def predict_error(capsys, *argv) -> str:

@@ -18,11 +18,14 @@ def run_init(backend, extra_env, code=INIT):
     return run(python("-c", code.format(backend=backend)), env=env, timeout=60, check=False)
 
 
+# One process per case: how an uncaught LaunchError ends a script (one line, exit
+# non-zero) is the same for all, so each case is a different place that raises one.
+# The launcher's variables read wrong (RANK without WORLD_SIZE, PMI_SIZE without
+# PMI_RANK, ...) all raise in detect_launch, whose every message test_launch.py checks:
+# one of them stands for the rest here.
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("backend, env, line", [
     ("gloo", {"RANK": "4", "WORLD_SIZE": "4"}, "RANK=4 must be below WORLD_SIZE=4"),
-    ("gloo", {"RANK": "0"}, "RANK is set but WORLD_SIZE is not"),
-    ("gloo", {"PMI_SIZE": "4"}, "PMI_SIZE is set but PMI_RANK is not"),
     ("tcp", {}, "unknown backend 'tcp': choose from auto, gloo, nccl, mpi"),
     ("nccl", {}, "backend 'nccl' needs a CUDA GPU"),
     ("gloo", {"RANK": "0", "WORLD_SIZE": "2"}, "MASTER_ADDR and MASTER_PORT are not set"),
@@ -45,10 +48,11 @@ def test_bad_launch_prints_one_clear_line(backend, env, line):
 
 
 def test_errors_from_code_are_still_exceptions():
-    code = ("import collectives\ntry:\n    collectives.init(backend={backend!r})\n"
-            "except collectives.LaunchError as e:\n    print('caught', e)")
-    result = run_init("bogus", {}, code)
-    assert result.returncode == 0 and result.stdout.startswith("caught unknown backend")
+    # a script that catches the error gets it: the one line is only for one uncaught
+    # (in this process: init() raises it before anything is set up)
+    import collectives
+    with pytest.raises(collectives.LaunchError, match="^unknown backend 'bogus'"):
+        collectives.init(backend="bogus")
 
 
 @pytest.mark.timeout(120)

@@ -18,10 +18,10 @@ def printed(argv, shm="auto"):
     return run(argv, cwd=TESTS, env=rank_env(COLLECTIVES_SHM=shm)).stdout
 
 
-def printed_cleanly(argv):
+def printed_cleanly(argv, shm="auto"):
     """What `argv` printed on stdout; the test fails if its stderr has a line that looks
     like an error or a warning (a clean run must not alarm its reader)."""
-    done = run(argv, cwd=TESTS, env=rank_env(COLLECTIVES_SHM="auto"))
+    done = run(argv, cwd=TESTS, env=rank_env(COLLECTIVES_SHM=shm))
     assert not error_looking_lines(done.stderr), done.stderr
     return done.stdout
 
@@ -32,10 +32,11 @@ def ranks_printed(stdout, world_size, backend):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("backend", ["gloo", "mpi"])
-def test_mpirun_init_finds_every_rank(backend):
-    out = printed_cleanly(mpirun(4, sys.executable, "-c", PRINT_RANK.format(backend=backend)))
-    assert ranks_printed(out, 4, backend), out
+def test_mpirun_init_finds_every_rank():
+    # gloo here; the mpi backend's init under mpirun: the mpi jobs below (every rank
+    # prints, nothing on stderr looks like an error) and test_launch_mpi_script
+    out = printed_cleanly(mpirun(4, sys.executable, "-c", PRINT_RANK.format(backend="gloo")))
+    assert ranks_printed(out, 4, "gloo"), out
 
 
 @pytest.mark.timeout(300)
@@ -68,7 +69,7 @@ if attempt == 1 and comm.rank == 1:
     os._exit(3)
 # one write of the whole line: print() with PYTHONUNBUFFERED writes the newline apart,
 # and the other rank's line can land between the two
-os.write(1, f"attempt {attempt} rank {comm.rank} sum {total.item():g}\n".encode())
+os.write(1, f"attempt {attempt} rank {comm.rank} sum {total.item():g}\\n".encode())
 """
 
 
@@ -89,18 +90,22 @@ def test_launch_mpi_script():
     assert "usage: launch_mpi.sh" in printed([os.path.join(ROOT, "launch_mpi.sh"), "--help"])
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("world_size,shm", [(2, "off"), (4, "on")])
-def test_mpi_transport(world_size, shm):
-    # off: MPI's own point-to-point; on: our shared memory, MPI for the rest
-    out = printed(mpirun(world_size, sys.executable, "checks_transport.py", "mpi"), shm=shm)
-    name = "mpi+shm" if shm == "on" else "mpi"
-    assert out.count(f"({name}): ok") == world_size, out
+# The mpi backend under mpirun, one job per row: the transport's checks
+# (checks_transport.py) and a subset of the algorithms' (checks_algorithms.py). shm off:
+# MPI's own point-to-point (2 ranks: each sends to and receives from the same peer; 3:
+# odd, uneven chunks); on: our shared memory, MPI for the rest, both sets of checks in
+# one start-up of the ranks.
+MPI_JOBS = [(2, "off", ["transport"]), (3, "off", ["algorithms"]),
+            (4, "on", ["transport", "algorithms"])]
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("world_size,shm", [(3, "off"), (4, "on")])
-def test_mpi_algorithms_subset(world_size, shm):
-    out = printed(mpirun(world_size, sys.executable, "checks_algorithms.py"), shm=shm)
+@pytest.mark.parametrize("world_size,shm,checks", MPI_JOBS,
+                         ids=[f"{n}-{shm}-{'+'.join(checks)}" for n, shm, checks in MPI_JOBS])
+def test_mpi_transport_and_algorithms(world_size, shm, checks):
+    out = printed_cleanly(mpirun(world_size, sys.executable, "checks_algorithms.py", *checks),
+                          shm=shm)
     name = "mpi+shm" if shm == "on" else "mpi"
-    assert out.count("checks ok") == out.count(f"({name})") == world_size, out
+    assert out.count(f"of {world_size} ({name}): ok") == world_size * ("transport" in checks), out
+    assert out.count(f"({name}): ") == world_size * len(checks), out
+    assert out.count("checks ok") == world_size * ("algorithms" in checks), out

@@ -6,7 +6,8 @@ import pytest
 
 from collectives.algorithms import fastest
 from collectives.algorithms.costs import WIRE_EFFICIENCY, Constants, Route, Shape
-from launchers import python, run
+from distributed import run_world
+from launchers import as_launched
 from trainer import replay, replay_forward
 from trainer.replay import TracedBucket, TracedStep, profile_from_trace, simulate
 
@@ -247,7 +248,7 @@ def test_the_command_on_a_hand_made_trace(tmp_path, capsys):
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("model, counted, per_sample", [("resnet18", "images_per_s", 1),
                                                         ("gpt-nano", "tokens_per_s", 32)])
-def test_end_to_end_on_a_tiny_bench_trace(tmp_path, model, counted, per_sample):
+def test_end_to_end_on_a_tiny_bench_trace(tmp_path, capsys, model, counted, per_sample):
     """trainer.bench traces 2 ranks of ResNet-18, or of the byte-level GPT (batch 2, one
     step each); the prediction has a row per strategy and rank count, counting images
     or tokens (a gpt-nano window: 32 bytes) as the bench's own rows do."""
@@ -256,11 +257,12 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path, model, counted, per_sample):
     # gloo's "Received data size doesn't match expected size", a collective order
     # mismatch between the ranks; untraced, or alone, it passed. Cause not found.)
     syncs = "allreduce,powersgd,local-sgd,ddp"  # (bf16's are checked on hand-made traces)
-    bench = run(python("-m", "trainer.bench", "--nproc", "2", "--sync", syncs, "--model", model,
-                       "--batch-size", "2", "--steps", "1", "--rounds", "1", "--warmup", "1",
-                       "--trace-steps", "1", "--trace", str(trace_dir),
-                       "--json", str(bench_rows)), timeout=240)
-    header = bench.stdout.splitlines()[1].split()
+    # the bench as a launcher's 2 ranks run it (launchers.as_launched)
+    bench_printed = run_world(as_launched, 2, backend=None, timeout=240, args=(
+        "trainer.bench", ["--sync", syncs, "--model", model, "--batch-size", "2", "--steps",
+                          "1", "--rounds", "1", "--warmup", "1", "--trace-steps", "1",
+                          "--trace", str(trace_dir), "--json", str(bench_rows)]))[0]
+    header = bench_printed.splitlines()[1].split()
     assert header[1] == {"images_per_s": "img/s", "tokens_per_s": "tok/s"}[counted], header
     for row in map(json.loads, bench_rows.read_text().splitlines()):
         assert row["model"] == model and row["batch_size"] == 2, row
@@ -278,15 +280,19 @@ def test_end_to_end_on_a_tiny_bench_trace(tmp_path, model, counted, per_sample):
         "native": {"alpha": 3e-5, "beta": 3e-10}, "link_rate": 1.25e9,
         "transport": "gloo"}}))
     rows_file, picture = tmp_path / "rows.jsonl", tmp_path / "scaling.png"
-    result = run(python("-m", "trainer.replay", "--trace", str(trace_dir), "--constants",
-                        str(constants), "--ranks", "8,64,256", "--ranks-per-host", "8",
-                        "--bandwidth", "25gbit", "--latency", "10us", "--json", str(rows_file),
-                        "--plot", str(picture)), timeout=60)
-    lines = result.stdout.splitlines()
+    # `python -m trainer.replay ...` through its main() in this process (it spawns
+    # nothing: it reads the trace and computes)
+    capsys.readouterr()
+    assert replay.main(["--trace", str(trace_dir), "--constants", str(constants),
+                        "--ranks", "8,64,256", "--ranks-per-host", "8", "--bandwidth",
+                        "25gbit", "--latency", "10us", "--json", str(rows_file),
+                        "--plot", str(picture)]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
     for sync in syncs.split(","):
         for ranks in (8, 64, 256):
             assert any(line.split()[:2] == [sync, str(ranks)] for line in lines), \
-                (sync, ranks, result.stdout)
+                (sync, ranks, printed)
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
     modelled = [r for r in rows if r["modelled"]]
     assert len(modelled) == len(rows) == 4 * 3

@@ -51,18 +51,6 @@ def under_mpirun(world_size, *args, timeout=200):
                check=False)
 
 
-@pytest.mark.timeout(240)
-def test_every_collective_matches_gloo_on_three_ranks():
-    """Each collective and form (ops, dtypes, roots, lists and tensors, uneven
-    all_to_all, async Work and future, tags, batch_isend_irecv, subgroups, objects,
-    barriers) equals gloo; reduce_scatter leaves its input; mismatched calls raise on
-    every rank and break only their own group; nothing runs after destroy. Tensors of
-    one count in other shapes on each rank give gloo's values; refusals leave the group
-    working where every rank refused, and in step where one did; integer avg rounds
-    toward zero, as NCCL's."""
-    digests(under_torchrun(3, "collectives"), CHECKS, 3)
-
-
 def replicas_agree(found, world_size):
     for name in TRAININGS:  # the replicas agree (FSDP2: the gathered parameters)
         assert len({found[(name, rank)] for rank in range(world_size)}) == 1, name
@@ -81,10 +69,17 @@ def test_two_ranks_train_as_on_gloo_and_the_mpi_route_computes_the_same():
     assert on_mpi == on_gloo
 
 
-@pytest.mark.timeout(300)
-def test_three_ranks_train_as_on_gloo():
-    """The same trainings on 3 ranks, within float rounding of another summation order."""
-    replicas_agree(digests(under_torchrun(3, "training"), TRAININGS, 3), 3)
+@pytest.mark.timeout(360)
+def test_every_collective_matches_gloo_and_three_ranks_train_as_on_gloo():
+    """On 3 ranks, in one job. Each collective and form (ops, dtypes, roots, lists and
+    tensors, uneven all_to_all, async Work and future, tags, batch_isend_irecv,
+    subgroups, objects, barriers) equals gloo; reduce_scatter leaves its input;
+    mismatched calls raise on every rank and break only their own group; nothing runs
+    after destroy. Tensors of one count in other shapes on each rank give gloo's values;
+    refusals leave the group working where every rank refused, and in step where one
+    did; integer avg rounds toward zero, as NCCL's. Then the trainings of the test
+    above, within float rounding of another summation order."""
+    replicas_agree(digests(under_torchrun(3, "all", timeout=300), CHECKS + TRAININGS, 3), 3)
 
 
 @pytest.mark.timeout(30)

@@ -3,11 +3,13 @@ import json
 
 import pytest
 
+from checks_trainer import printed_by_runs
 from collectives.trace import summary
 from distributed import run_world
-from launchers import python, run, torchrun
+from launchers import as_launched
 
-TINY = ["--train-samples", "64", "--test-samples", "16", "--batch-size", "8", "--epochs", "1"]
+# 2 ranks x 3 steps of 8 images: steps 2 and 3 are traced
+TINY = ["--train-samples", "48", "--test-samples", "16", "--batch-size", "8", "--epochs", "1"]
 
 
 def _inside(event, outer):
@@ -15,10 +17,12 @@ def _inside(event, outer):
 
 
 @pytest.mark.timeout(240)
-def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
+def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path, capsys):
+    # the trainer with its own ResNet-18 on 2 spawned ranks (checks_trainer.py)
     folder = tmp_path / "trace"
-    run(torchrun(2, "-m", "trainer", *TINY, "--trace", str(folder), "--trace-steps", "2:3"),
-        timeout=200)
+    (outcome,) = run_world(printed_by_runs, 2, timeout=200, args=(str(tmp_path), [[
+        *TINY, "--trace", str(folder), "--trace-steps", "2:3"]], None))[0]
+    assert outcome["code"] == 0, outcome
     merged = json.loads((folder / "trace.json").read_text())["traceEvents"]
     names = {e["pid"]: e["args"]["name"] for e in merged if e["name"] == "process_name"}
     assert sorted(names) == [0, 1] and names[1].startswith("rank 1")
@@ -42,7 +46,12 @@ def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
             assert first["tid"] != step["tid"]  # on the communication thread
             assert backward["ts"] < first["ts"] < backward["ts"] + backward["dur"]  # overlap
             assert first["args"]["bytes"] > 0 and "queued_ms" in first["args"]
-    out = run(python("-m", "collectives.trace", str(folder)), timeout=200).stdout
+    # `python -m collectives.trace DIR`, through its main() in this process: it only
+    # reads the files and draws
+    from collectives.trace.__main__ import main
+    capsys.readouterr()
+    assert main([str(folder)]) == 0
+    out = capsys.readouterr().out
     assert "allreduce: 2 traced step(s), 2 rank(s)" in out and "slowest rank:" in out
     assert (folder / "timeline.png").stat().st_size > 10_000
 
@@ -50,10 +59,11 @@ def test_a_traced_training_run_shows_every_step_and_bucket_per_rank(tmp_path):
 @pytest.mark.timeout(300)
 def test_the_summary_agrees_with_trainer_bench_on_steps_and_the_hidden_share(tmp_path):
     folder, rows = tmp_path / "trace", tmp_path / "bench.jsonl"
-    run(python("-m", "trainer.bench", "--nproc", "2", "--sync",
-               "allreduce,ddp,allreduce:overlap=forward",
-               "--batch-size", "4", "--steps", "3", "--rounds", "1", "--warmup", "1",
-               "--trace", str(folder), "--trace-steps", "3", "--json", str(rows)), timeout=280)
+    # trainer.bench as a launcher's 2 ranks run it (launchers.as_launched)
+    run_world(as_launched, 2, backend=None, timeout=280, args=("trainer.bench", [
+        "--sync", "allreduce,ddp,allreduce:overlap=forward",
+        "--batch-size", "4", "--steps", "3", "--rounds", "1", "--warmup", "1",
+        "--trace", str(folder), "--trace-steps", "3", "--json", str(rows)]))
     bench = {row["sync"]: row for row in map(json.loads, rows.read_text().splitlines())}
     traced = summary.figures(summary.load(str(folder)))
     for sync in ("allreduce", "ddp"):
