@@ -57,7 +57,8 @@ def main():
             loss = loss_fn(ddp_model(images), labels)
             loss.backward()
             optimizer.step()
-        print(f"rank {rank} epoch {epoch} loss {loss.item():.4f}", flush=True)
+        # the whole line in one write: the ranks share the terminal
+        print(f"rank {rank} epoch {epoch} loss {loss.item():.4f}\n", end="", flush=True)
 
     if rank == 0 and args.save:
         torch.save(ddp_model.module.state_dict(), args.save)
