@@ -113,8 +113,8 @@ def same_state(a: dict, b: dict) -> bool:
 
 
 def train_then_eval_only(comm, flags, folder):
-    """Train one epoch with `flags` (checkpoint and metrics in `folder`), then run
-    `--eval-only` on its checkpoint. Returns, on every rank:
+    """Train one epoch of tiny_model with `flags` (checkpoint and metrics in `folder`),
+    then run `--eval-only` on its checkpoint. Returns, on every rank:
 
         scores     (accuracy, loss) of each call of evaluate: the epoch's, then
                    --eval-only's
@@ -146,6 +146,8 @@ def train_then_eval_only(comm, flags, folder):
     checkpoint = os.path.join(folder, "ckpt", "checkpoint.pt")
     printed = io.StringIO()
     with mock.patch.object(train, "connect", lambda args: comm), \
+            mock.patch.object(ImageClassification, "build_model",
+                              image_models_made_by(tiny_model)), \
             mock.patch.object(collectives, "destroy", lambda: None), \
             mock.patch.object(train, "train_one_epoch", train_one_epoch), \
             mock.patch.object(ImageClassification, "evaluate", evaluate), \

@@ -2,8 +2,9 @@
 from the other, which drops its communicator instead of sending (as a survivor does
 when it moves on to the next generation). `dropper` lets go of it; `holder` drops it
 as after a failure while still holding a reference (as a thread stuck in one of its
-calls, or a traceback, would). Prints how long the waiter waited for its PeerError;
-its timeout is 60 s.
+calls, or a traceback, would), and stays alive until its standard input closes (the
+test closes it once the waiter is done), so that only the drop can end the wait.
+Prints how long the waiter waited for its PeerError; its timeout is 60 s.
 
     python elastic_blocked.py PORT waiter|dropper|holder
 """
@@ -26,7 +27,7 @@ def main():
         time.sleep(1.0)  # the waiter is blocked by now
         held = comm.pg if role == "holder" else None  # noqa: F841 (its gloo group, kept)
         world.drop(failed=role == "holder")
-        time.sleep(8.0)  # alive, beating, and no longer in that communicator
+        sys.stdin.read()  # alive, beating, and no longer in that communicator
     else:
         started = time.monotonic()
         try:

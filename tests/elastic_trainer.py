@@ -2,11 +2,15 @@
 generated data, all-reduced gradients, State and run from collectives.elastic.
 
     python elastic_trainer.py STORE NAME OUT [--die-at STEP] [--expected N] [--epochs E]
+                              [--join-after FILE]
 
 STORE: the store's port on this host, or HOST:PORT, or "env" ($COLLECTIVES_ELASTIC_STORE,
 as the emulated cluster's --elastic-store gives it). NAME: the member's id ("-": the
 default, host/pid). Writes OUT (torch.save; "{host}" in it becomes the host's name):
-the final parameters, the steps and the generations seen.
+the final parameters, the steps and the generations seen; OUT.started once it trains,
+OUT.epochE once it has trained epoch E. --join-after FILE: a newcomer that has started
+(its imports take seconds) waits for FILE (another member's OUT.epochE, say) before it
+joins, so that it comes at a known point of the training.
 """
 import argparse
 import os
@@ -44,6 +48,7 @@ def main():
     p.add_argument("--step-seconds", type=float, default=0.02)
     p.add_argument("--min-ranks", type=int, default=1)
     p.add_argument("--timeout", type=float, default=30)
+    p.add_argument("--join-after")
     args = p.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(1)
@@ -53,6 +58,8 @@ def main():
     store = os.environ["COLLECTIVES_ELASTIC_STORE"] if args.store == "env" else args.store
     host, _, port = store.rpartition(":")
     args.out = args.out.replace("{host}", socket.gethostname())
+    while args.join_after and not os.path.exists(args.join_after):
+        time.sleep(0.05)  # the test that started us ends us if it never comes
     world = ElasticWorld(host or "127.0.0.1", int(port), min_ranks=args.min_ranks,
                          timeout=args.timeout, member_id=None if args.name == "-" else args.name,
                          settle=0.5, beat=0.1, dead_after=2.0)
@@ -79,6 +86,7 @@ def main():
                 state.steps += 1
                 state.commit()
             state.epoch, state.done = state.epoch + 1, 0
+            open(f"{args.out}.epoch{state.epoch - 1}", "w").close()
             state.commit()
 
     started = time.monotonic()

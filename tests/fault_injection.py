@@ -281,8 +281,9 @@ def case_checkpoint_killed_during_saves(runs=10):
 
 
 def case_resume_after_kill():
-    """Kill a 2-rank training run during epoch 2; resume; compare with a straight run."""
-    flags = ["--train-samples", "128", "--test-samples", "32", "--batch-size", "16",
+    """Kill a 2-rank training run during epoch 2 (2 steps of each rank); resume; compare
+    with a straight run."""
+    flags = ["--train-samples", "64", "--test-samples", "32", "--batch-size", "16",
              "--epochs", "2", "--backend", "gloo"]
     with tempfile.TemporaryDirectory() as folder:
         def two_ranks(*extra):
@@ -295,9 +296,12 @@ def case_resume_after_kill():
         deadline = time.time() + 300
         while not os.path.exists(saved) and time.time() < deadline and job.poll() is None:
             time.sleep(0.1)
-        time.sleep(1.0)  # into epoch 2
+        time.sleep(0.5)  # into epoch 2
         os.killpg(job.pid, signal.SIGKILL)  # the whole job, mpirun and ranks
         job.wait()
+        killed_in = torch.load(saved, weights_only=False)["epoch"] + 1  # epoch 1's: in 2
+        if killed_in != 2:  # epoch 2's checkpoint came first: nothing would be resumed
+            return Outcome(False, 0.0, f"killed in epoch {killed_in}, not during epoch 2")
         started = time.time()
         run(two_ranks("--checkpoint-dir", "killed", "--resume", "killed/checkpoint.pt"),
             cwd=folder, timeout=300)

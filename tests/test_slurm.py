@@ -6,6 +6,7 @@ Debian's slurm-wlm and munge; skipped with the reason (naming the packages) with
 """
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 from collectives.algorithms import auto
 from collectives.cluster import ClusterSpec, Network, rate_bits
 from collectives.cluster.job import _cluster_env
+from collectives.cluster import slurm as slurm_config
 from collectives.cluster.slurm import PROGRAMS, Slurm
 from collectives.cluster.network import STATE_ROOT, TOOLS
 from launchers import mpirun, run
@@ -47,6 +49,28 @@ def on_login_node(slurm, *command, env=None, timeout=TIMEOUT):
     full_env = dict(_cluster_env(slurm.network), **slurm.env(), **(env or {}))
     return run(slurm.network.enter(0) + list(command), env=full_env, cwd=ROOT,
                timeout=timeout, check=False)
+
+
+# The states of a job that has ended (Slurm's JOB_STATE_STRING); COMPLETING has not yet.
+ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "PREEMPTED",
+         "BOOT_FAIL", "DEADLINE", "OUT_OF_MEMORY"}
+
+
+def sbatch_until_ended(slurm, *args, timeout=TIMEOUT):
+    """`sbatch ARGS` on the login node, then wait for the job to end: (its state, its exit
+    code as scontrol says, e.g. "0:0"). Asked twice a second: `sbatch --wait` asks at 2,
+    10, 42, 74, ... s after submitting, so a job of 15 s would take 42."""
+    done = on_login_node(slurm, "sbatch", "--parsable", *args)
+    assert done.returncode == 0, done.stderr
+    job = done.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        shown = on_login_node(slurm, "scontrol", "-o", "show", "job", job).stdout
+        state, code = (re.search(rf"\b{key}=(\S+)", shown) for key in ("JobState", "ExitCode"))
+        if state and state.group(1) in ENDED:
+            return state.group(1), code.group(1)
+        time.sleep(0.5)
+    raise AssertionError(f"job {job} still not ended after {timeout} s: {shown}")
 
 
 def assert_placed_by_slurm(results, tasks_per_node):
@@ -92,20 +116,20 @@ def test_srun_starts_the_ranks_where_slurm_places_them(slurm, backend, tmp_path)
 @pytest.mark.timeout(2 * TIMEOUT)
 def test_sbatch_runs_the_example_script_and_mpirun_inside_an_allocation(slurm, tmp_path):
     log = tmp_path / "train-%j.out"
-    done = on_login_node(slurm, "sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2",
-                         f"--output={log}", "examples/train.sbatch", "--epochs", "1",
-                         "--train-samples", "256", "--test-samples", "64", "--batch-size", "16")
-    assert done.returncode == 0, done.stderr
+    ended = sbatch_until_ended(slurm, "-N", "2", "--ntasks-per-node", "2", f"--output={log}",
+                               "examples/train.sbatch", "--epochs", "1", "--train-samples",
+                               "64", "--test-samples", "32", "--batch-size", "16")
     [output] = tmp_path.glob("train-*.out")
     text = output.read_text()
+    assert ended == ("COMPLETED", "0:0"), (ended, text[-3000:])
     assert "with 4 rank(s)" in text and "epoch 1/1: train loss" in text, text[-3000:]
     assert "\r" not in text, "the progress bar redrew itself in a log file"
     assert "epoch 1/1: 100%" in text, text[-3000:]  # its lines instead
 
     wrapped = " ".join(mpirun(4, *checks("slurm", "mpi"), str(tmp_path)))
-    done = on_login_node(slurm, "sbatch", "--wait", "-N", "2", "--ntasks-per-node", "2",
-                         f"--output={tmp_path}/mpirun.out", f"--wrap={wrapped}")
-    assert done.returncode == 0, (tmp_path / "mpirun.out").read_text()[-3000:]
+    ended = sbatch_until_ended(slurm, "-N", "2", "--ntasks-per-node", "2",
+                               f"--output={tmp_path}/mpirun.out", f"--wrap={wrapped}")
+    assert ended == ("COMPLETED", "0:0"), (ended, (tmp_path / "mpirun.out").read_text()[-3000:])
     results = read_ranks(tmp_path, 4)
     assert_placed_by_slurm(results, 2)
     assert {r["launch"]["launcher"] for r in results} == {"mpich"}  # Hydra, through srun
@@ -162,12 +186,15 @@ def ranks_running(network):
 @needs_slurm
 @pytest.mark.timeout(2 * TIMEOUT)
 @pytest.mark.parametrize("loss", ["killed", "set down"])
-def test_a_node_lost_mid_job_fails_the_step_and_leaves_nothing_running(loss, tmp_path):
+def test_a_node_lost_mid_job_fails_the_step_and_leaves_nothing_running(loss, tmp_path,
+                                                                        monkeypatch):
     """Its own cluster: the node is lost for good. Killed (its slurmd and its ranks,
     SIGKILL): the survivors raise PeerError within the timeout, srun ends once Slurm
-    declares the node failed. Set down by an administrator: Slurm cancels the step on
-    every node at once."""
+    declares the node failed, when its slurmd has been silent for SlurmdTimeout (12 s
+    here, where nothing pauses a host: the cluster's 30 s would be most of the test).
+    Set down by an administrator: Slurm cancels the step on every node at once."""
     timeout = 5
+    monkeypatch.setattr(slurm_config, "SLURMD_TIMEOUT", 12)
     with Network(SPEC) as network:
         slurm = Slurm(network).start()
         env = dict(_cluster_env(network), **slurm.env(), CHECK_TIMEOUT=str(timeout))
