@@ -324,6 +324,42 @@ def test_compare_scores_a_language_model_by_held_out_bits_per_byte(tmp_path, mon
     assert "invalid choice: 'gpt-huge'" in capsys.readouterr().err.splitlines()[-1]
 
 
+def test_a_baseline_measures_every_row_by_its_final_score_bytes_and_ideal_speedup(
+        tmp_path, monkeypatch, capsys):
+    """--baseline ddp: each row's x sooner to ddp's final score (ddp's training time over
+    the row's first evaluation that reaches it), x fewer bytes per rank over the run, and
+    ddp's ideal speed-up, 1 / (1 - its waited share); a baseline not in --sync is refused
+    before any job."""
+    def fake_job(entry, args, trainer_flags, folder):
+        records = language_records({"ddp": (3.0, 2.6, 2.4, 2.3),
+                                    "diloco": (2.9, 2.3, 2.2, 2.1),
+                                    "local-sgd": (3.2, 3.0, 2.9, 2.8)}[entry])
+        for record in records:
+            record["waited_share"] = 0.75 if entry == "ddp" else 0.1
+            if entry == "diloco":
+                record["comm_bytes"] = 2**20 * 50 / 40  # 40x fewer
+            if entry == "local-sgd":
+                record["comm_bytes"] = 0  # sent nothing: no ratio
+        return {"sync": entry, "wall_s": 45.0, "epochs": records}
+    monkeypatch.setattr(compare, "run_one", fake_job)
+    out = tmp_path / "cmp"
+    assert compare.main(["--sync", "ddp,diloco,local-sgd", "--launcher", "torchrun",
+                         "--model", "gpt-nano", "--baseline", "ddp", "--out", str(out)]) == 0
+    lines = (tmp_path / "cmp.md").read_text().splitlines()
+    assert lines[2].endswith("| to ddp's final 2.300: x sooner | bytes per rank: x fewer "
+                             "than ddp |"), lines[2]
+    assert lines[4].endswith("| 1.00 | 1.0 |"), lines[4]  # ddp reaches it at its end
+    assert lines[5].endswith("| 2.00 | 40.0 |"), lines[5]  # 2.3 after 20 s of ddp's 40
+    assert lines[6].endswith("| not reached | - |"), lines[6]
+    assert "ddp's ideal speed-up: 4.00x (it waited on the network 75.0%" in lines[8]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as stopped:
+        compare.main(["--sync", "diloco", "--launcher", "torchrun", "--model", "gpt-nano",
+                      "--baseline", "ddp"])
+    assert stopped.value.code == 2
+    assert "--baseline ddp is not one of --sync's entries (diloco)" in capsys.readouterr().err
+
+
 def small_text_folder(folder) -> str:
     """40 of the standard library's modules under `folder`, two of them held out (the
     trainer holds out a file by a checksum of its name): a few hundred KB to read, where

@@ -42,6 +42,14 @@ trainer's --metrics wrote them, one line per job), and prints the table:
 
 (a language model's: final held-out bits/byte, evaluations, tokens/s.)
 
+--baseline SYNC (one of the --sync entries, `ddp` say) measures every row against that
+job, as the low-communication papers measure against synchronous training: two more
+columns, how many times sooner than SYNC's training time a row reaches SYNC's final
+score (at its first evaluation that does) and how many times fewer bytes each rank
+sent over the whole run; and, below the table, SYNC's ideal speed-up: its step time
+over its compute alone, 1 / (1 - the share of its training time it waited on the
+network), what a strategy that hid every byte would gain (`against_baseline`).
+
 A job that fails is one row, "failed after N epochs", with its error printed; the jobs
 after it still run, and the command then exits with 1.
 """
@@ -204,11 +212,12 @@ def summarize(run: Dict, target: float, score: Optional[Score] = None) -> Dict:
     if run.get("failed"):
         return {"sync": run["sync"], "failed": True, "epochs": len(run["epochs"]),
                 "wall_s": run["wall_s"], "score": score.key}
-    seconds = bytes_sent = samples = steps = 0.0
+    seconds = bytes_sent = samples = steps = waited = 0.0
     reached = None
     curve = []
     for record in run["epochs"]:
         seconds += record["train_seconds"]
+        waited += (record.get("waited_share") or 0.0) * record["train_seconds"]
         bytes_sent += record["comm_bytes"]
         samples += record[score.throughput_key] * record["train_seconds"]
         steps += record["steps"]
@@ -218,7 +227,33 @@ def summarize(run: Dict, target: float, score: Optional[Score] = None) -> Dict:
     return {"sync": run["sync"], "score": score.key, "final": run["epochs"][-1][score.key],
             "wall_s": run["wall_s"], "train_s": seconds, "per_s": samples / seconds,
             "mib_per_step": bytes_sent / 2**20 / max(steps, 1), "epochs": len(run["epochs"]),
-            "time_to_target_s": reached, "curve": curve}
+            "time_to_target_s": reached, "curve": curve, "sent_mib": bytes_sent / 2**20,
+            "waited_share": waited / seconds if seconds else 0.0}
+
+
+def against_baseline(rows: List[Dict], baseline: str) -> Dict:
+    """Every row measured against the row named `baseline`: {"final": its final score,
+    "ideal": its ideal speed-up, "waited_share": the share of its training time it
+    waited, "rows": {sync: (times sooner to its final score or None, times fewer bytes
+    per rank or None)}}. Sooner: the baseline's training time over the training time of
+    the row's first evaluation that reaches the baseline's final score. The ideal: the
+    baseline's step time over its compute alone, 1 / (1 - waited share)."""
+    base = next(row for row in rows if row["sync"] == baseline)
+    if base.get("failed"):
+        raise ValueError(f"the baseline {baseline} failed: nothing to measure against")
+    score = next(s for s in SCORES.values() if s.key == base["score"])
+    measured = {}
+    for row in rows:
+        if row.get("failed"):
+            continue
+        reached = next((seconds for seconds, _, value in row["curve"]
+                        if score.reached(value, base["final"])), None)
+        sooner = base["train_s"] / reached if reached else None
+        fewer = base["sent_mib"] / row["sent_mib"] if row["sent_mib"] > 0 else None
+        measured[row["sync"]] = (sooner, fewer)
+    waited = base["waited_share"]
+    return {"final": base["final"], "waited_share": waited,
+            "ideal": 1.0 / (1.0 - waited) if waited < 1 else float("inf"), "rows": measured}
 
 
 def score_of_rows(rows: List[Dict]) -> Score:
@@ -227,24 +262,41 @@ def score_of_rows(rows: List[Dict]) -> Score:
     return next((s for s in SCORES.values() if keys and s.key == keys[0]), ACCURACY)
 
 
-def table(rows: List[Dict], target: float) -> str:
+def table(rows: List[Dict], target: float, baseline: Optional[str] = None) -> str:
+    """The comparison's table (module docstring); with `baseline`, two more columns
+    and its ideal speed-up below (against_baseline)."""
     score = score_of_rows(rows)
-    lines = [f"| sync | {score.column} | time to {score.target_text(target)} (s) | "
-             f"training time (s) | {score.epochs} | {score.throughput} | MiB sent per rank "
-             "per step | wall time (s) |",
-             "|---|---|---|---|---|---|---|---|"]
+    extra = against_baseline(rows, baseline) if baseline else None
+    heading = (f"| sync | {score.column} | time to {score.target_text(target)} (s) | "
+               f"training time (s) | {score.epochs} | {score.throughput} | MiB sent per rank "
+               "per step | wall time (s) |")
+    rule = "|---|---|---|---|---|---|---|---|"
+    if extra:
+        heading += (f" to {baseline}'s final {score.text(extra['final'])}: x sooner | "
+                    f"bytes per rank: x fewer than {baseline} |")
+        rule += "---|---|"
+    lines = [heading, rule]
     for row in rows:
         if row.get("failed"):
             unit = score.epochs[:-1] if row["epochs"] == 1 else score.epochs  # 1 epoch
             finished = f"{row['epochs']} {unit}"
             lines.append(f"| {row['sync']} | failed after {finished} "
-                         f"| | | | | | {row['wall_s']:.0f} |")
+                         f"| | | | | | {row['wall_s']:.0f} |" + (" | |" if extra else ""))
             continue
         reached = (f"{row['time_to_target_s']:.0f}" if row["time_to_target_s"] is not None
                    else "not reached")
-        lines.append(f"| {row['sync']} | {score.text(row['final'])} | {reached} | "
-                     f"{row['train_s']:.0f} | {row['epochs']} | {row['per_s']:.1f} | "
-                     f"{row['mib_per_step']:.2f} | {row['wall_s']:.0f} |")
+        line = (f"| {row['sync']} | {score.text(row['final'])} | {reached} | "
+                f"{row['train_s']:.0f} | {row['epochs']} | {row['per_s']:.1f} | "
+                f"{row['mib_per_step']:.2f} | {row['wall_s']:.0f} |")
+        if extra:
+            sooner, fewer = extra["rows"][row["sync"]]
+            line += (f" {'not reached' if sooner is None else f'{sooner:.2f}'} | "
+                     f"{'-' if fewer is None else f'{fewer:.1f}'} |")
+        lines.append(line)
+    if extra:
+        lines += ["", f"{baseline}'s ideal speed-up: {extra['ideal']:.2f}x (it waited on the "
+                      f"network {extra['waited_share']:.1%} of its training time: its step "
+                      "time over its compute alone)"]
     return "\n".join(lines)
 
 
@@ -365,6 +417,10 @@ def main(argv=None) -> int:
                         help="the score of the time-to-target column: a test accuracy "
                              "(default 0.95), or held-out bits per byte for a --model "
                              "gpt-* (default 2.5)")
+    parser.add_argument("--baseline", metavar="SYNC",
+                        help="one of the --sync entries: every row measured against it "
+                             "(x sooner to its final score, x fewer bytes; its ideal "
+                             "speed-up)")
     parser.add_argument("--out", default="compare", help="writes OUT.md and OUT.png")
     args, trainer_flags = parser.parse_known_args(argv)
     try:
@@ -374,6 +430,9 @@ def main(argv=None) -> int:
     if args.target is None:
         args.target = score.default_target
     entries = args.sync.split(",")
+    if args.baseline is not None and args.baseline not in entries:
+        parser.error(f"--baseline {args.baseline} is not one of --sync's entries "
+                     f"({', '.join(entries)})")
     for entry in entries:
         try:
             parse_sync(entry, args.sync_option)
@@ -405,7 +464,11 @@ def main(argv=None) -> int:
             if job.get("failed"):  # the other jobs still run: one failure costs one row
                 print(f"{entry} failed, {job['failed']}", file=sys.stderr, flush=True)
             print(table(rows[-1:], args.target).splitlines()[-1], flush=True)
-    text = table(rows, args.target)
+    try:
+        text = table(rows, args.target, args.baseline)
+    except ValueError as error:  # the baseline failed: the table without its columns
+        print(error, file=sys.stderr)
+        text = table(rows, args.target)
     command = "python -m trainer.compare " + " ".join(argv if argv is not None else sys.argv[1:])
     with open(args.out + ".md", "w") as out:
         out.write(f"Made by `{command}`\n\n{text}\n")
