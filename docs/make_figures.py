@@ -70,6 +70,13 @@ def bench_command(nproc: int, backend: str, shm: str, data: str) -> str:
             f"--trials 3 --seconds-per-row 0.6 --json docs/data/{data}")
 
 
+LM_SYNCS = ("ddp,allreduce,ddp-bf16,bf16,ddp-fp16,fp16,ddp-powersgd,powersgd,ddp-localsgd,"
+            "local-sgd,torchft-diloco:period=30,diloco:period=30,"
+            "diloco:period=30:fragments=3:delay=1,diloco:period=10,diloco:period=100,topk,"
+            "async-avg,delayed,gossip")
+LM_DDP_FINAL = 2.747  # torch's DDP's final held-out bits per byte in that run: the line drawn
+
+
 FIGURES_OF_THE_DOCS = [
     Figure("bench_gloo_shm_2.png", "bench_gloo_shm_2.jsonl", draw_bench,
            bench_command(2, "gloo", "on", "bench_gloo_shm_2.jsonl")),
@@ -106,6 +113,11 @@ FIGURES_OF_THE_DOCS = [
            "ddp-localsgd:period=8,local-sgd:period=8,diloco:period=8,"
            "torchft-diloco:period=8,topk,async-avg,delayed,gossip "
            "(made in three sittings: docs/compare.md)"),
+    Figure("compare_lm_50mbit.png", "study_lm_20261129/compare_50mbit.jsonl",
+           lambda data, picture: draw_compare(data, picture, LM_DDP_FINAL),
+           "python -m trainer.compare --hosts 4 --bandwidth 50mbit --model gpt-tiny "
+           "--steps 400 --eval-every 50 --baseline ddp "
+           f"--out docs/data/study_lm_20261129/compare_50mbit --sync {LM_SYNCS}"),
     Figure("timeline.png", "timeline_trace.json", draw_timeline,
            f"{CLUSTER_100MBIT} python -m trainer.bench --sync ddp,allreduce,powersgd "
            "--steps 3 --rounds 1 --warmup 2 --trace run && "
