@@ -57,6 +57,15 @@ def draw_compare(data: str, picture: str, target: float = 0.95) -> None:
     compare.plot([compare.summarize(job, target) for job in read_rows(data)], picture, target)
 
 
+def draw_compare_against(data: str, picture: str, baseline: str) -> None:
+    """As draw_compare, the dotted line at the final score of the job `baseline` (what
+    `trainer.compare --baseline` measures every row against)."""
+    from trainer import compare
+    rows = [compare.summarize(job, 0.0) for job in read_rows(data)]
+    final = compare.against_baseline(rows, baseline)["final"]
+    compare.plot(rows, picture, final)
+
+
 def draw_timeline(data: str, picture_path: str) -> None:
     """Per rank and thread, what each sync did: `python -m collectives.trace DIR`."""
     from collectives.trace import picture, summary
@@ -74,7 +83,6 @@ LM_SYNCS = ("ddp,allreduce,ddp-bf16,bf16,ddp-fp16,fp16,ddp-powersgd,powersgd,ddp
             "local-sgd,torchft-diloco:period=30,diloco:period=30,"
             "diloco:period=30:fragments=3:delay=1,diloco:period=10,diloco:period=100,topk,"
             "async-avg,delayed,gossip")
-LM_DDP_FINAL = 2.747  # torch's DDP's final held-out bits per byte in that run: the line drawn
 
 
 FIGURES_OF_THE_DOCS = [
@@ -114,7 +122,7 @@ FIGURES_OF_THE_DOCS = [
            "torchft-diloco:period=8,topk,async-avg,delayed,gossip "
            "(made in three sittings: docs/compare.md)"),
     Figure("compare_lm_50mbit.png", "study_lm_20261129/compare_50mbit.jsonl",
-           lambda data, picture: draw_compare(data, picture, LM_DDP_FINAL),
+           lambda data, picture: draw_compare_against(data, picture, "ddp"),
            "python -m trainer.compare --hosts 4 --bandwidth 50mbit --model gpt-tiny "
            "--steps 400 --eval-every 50 --baseline ddp "
            f"--out docs/data/study_lm_20261129/compare_50mbit --sync {LM_SYNCS}"),

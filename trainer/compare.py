@@ -241,7 +241,7 @@ def against_baseline(rows: List[Dict], baseline: str) -> Dict:
     base = next(row for row in rows if row["sync"] == baseline)
     if base.get("failed"):
         raise ValueError(f"the baseline {baseline} failed: nothing to measure against")
-    score = next(s for s in SCORES.values() if s.key == base["score"])
+    score = score_of_rows([base])
     measured = {}
     for row in rows:
         if row.get("failed"):
