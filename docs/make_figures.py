@@ -57,11 +57,18 @@ def draw_compare(data: str, picture: str, target: float = 0.95) -> None:
     compare.plot([compare.summarize(job, target) for job in read_rows(data)], picture, target)
 
 
-def draw_compare_against(data: str, picture: str, baseline: str) -> None:
+def with_reruns(jobs: List[Dict], reruns: List[str]) -> List[Dict]:
+    """`jobs`, each in its place replaced by the job of the same sync in a rerun's
+    records (files in docs/data/: jobs run again on their own, after a fix)."""
+    again = {job["sync"]: job for path in reruns for job in read_rows(os.path.join(DATA, path))}
+    return [again.get(job["sync"], job) for job in jobs]
+
+
+def draw_compare_against(data: str, picture: str, baseline: str, reruns=()) -> None:
     """As draw_compare, the dotted line at the final score of the job `baseline` (what
     `trainer.compare --baseline` measures every row against)."""
     from trainer import compare
-    rows = [compare.summarize(job, 0.0) for job in read_rows(data)]
+    rows = [compare.summarize(job, 0.0) for job in with_reruns(read_rows(data), list(reruns))]
     final = compare.against_baseline(rows, baseline)["final"]
     compare.plot(rows, picture, final)
 
@@ -122,10 +129,13 @@ FIGURES_OF_THE_DOCS = [
            "torchft-diloco:period=8,topk,async-avg,delayed,gossip "
            "(made in three sittings: docs/compare.md)"),
     Figure("compare_lm_50mbit.png", "study_lm_20261129/compare_50mbit.jsonl",
-           lambda data, picture: draw_compare_against(data, picture, "ddp"),
+           lambda data, picture: draw_compare_against(
+               data, picture, "ddp", ["study_lm_20261129/compare_50mbit_ddp_powersgd.jsonl"]),
            "python -m trainer.compare --hosts 4 --bandwidth 50mbit --model gpt-tiny "
            "--steps 400 --eval-every 50 --baseline ddp "
-           f"--out docs/data/study_lm_20261129/compare_50mbit --sync {LM_SYNCS}"),
+           f"--out docs/data/study_lm_20261129/compare_50mbit --sync {LM_SYNCS} "
+           "(ddp-powersgd, which failed in it, again on its own after its fix: "
+           "--sync ddp-powersgd --out docs/data/study_lm_20261129/compare_50mbit_ddp_powersgd)"),
     Figure("timeline.png", "timeline_trace.json", draw_timeline,
            f"{CLUSTER_100MBIT} python -m trainer.bench --sync ddp,allreduce,powersgd "
            "--steps 3 --rounds 1 --warmup 2 --trace run && "

@@ -23,10 +23,10 @@ BATCH = 4
 
 # Small periods, so that a few steps pass several of each strategy's events: delayed's
 # warm-up ends, local SGD averages after a warm-up, hier-local-sgd averages on the host
-# and across hosts, diloco takes outer steps; topk sends a tenth.
+# and across hosts, diloco takes outer steps after its warm-up; topk sends a tenth.
 OPTIONS = {
     "delayed": dict(warmup_steps=2),
-    "diloco": dict(period=2),
+    "diloco": dict(period=2, warmup_steps=1),
     "hier-local-sgd": dict(period=4, local_period=2),
     "local-sgd": dict(period=2, warmup_steps=1),
     "powersgd": dict(rank=1),

@@ -61,6 +61,36 @@ def every_peer_learns(comm):
     return losses
 
 
+def powersgd_peer_on_a_model_of_two_buckets(comm, steps=5):
+    """torch's PowerSGD peer on gpt-tiny, whose gradients torch's DDP puts in two buckets
+    (its first is capped at 1 MiB), AdamW, 5 steps (compressed from the third): on 4
+    ranks torch's hook alone has the ranks' collectives out of order (trainer/
+    torch_peers.py, one_bucket_at_a_time). Returns the losses and whether every rank
+    ends with the same parameters."""
+    from trainer.tasks.gpt import build_gpt
+    torch.manual_seed(0)
+    peer = torch_peers.create("ddp-powersgd")
+    module = build_gpt("gpt-tiny")
+    model = peer.wrap(module)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(comm.rank)
+    tokens = torch.randint(0, 256, (4, 32), generator=generator)  # each rank's, every step
+    losses = []
+    for step in range(1, steps + 1):
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(tokens)[:, :-1].reshape(-1, 256), tokens[:, 1:].reshape(-1))
+        loss.backward()
+        losses.append(loss.item())
+        peer.after_backward(module)
+        optimizer.step()
+        peer.after_step(module, step)
+    peer.close()
+    flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(flat) for _ in range(comm.world_size)]
+    torch.distributed.all_gather(gathered, flat)
+    return losses, all(torch.equal(flat, other) for other in gathered)
+
+
 def keep_floating_buffers_of_step(last, kept):
     """An after_optimizer for train_mlp: at step `last`, copy the floating-point buffers
     into `kept`, as they are before the strategy's after_step averages them."""
@@ -177,11 +207,10 @@ def diloco_equals_torchft(comm, steps=8):
     return differences
 
 
-def streaming_diloco_with_one_fragment_and_no_delay_is_diloco(comm, steps=8):
-    """diloco with fragments=1, delay=0 against DiLoCo written out by hand with torch's
-    own all-reduce: every 4 steps, the outer Nesterov SGD on the averaged pseudo-gradient.
-    Returns the largest difference in parameters."""
-    ours = train_mlp(comm, "diloco", steps=steps, period=4, fragments=1, delay=0)
+def diloco_by_hand(comm, steps, period, warmup_steps=0):
+    """DiLoCo written out with torch's own all-reduce: `warmup_steps` steps of averaged
+    gradients, then every `period` steps the outer Nesterov SGD on the averaged
+    pseudo-gradient, starting from the weights at the warm-up's end. Returns the state."""
     model = mlp()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)
     synced = [p.detach().clone() for p in model.parameters()]
@@ -190,17 +219,34 @@ def streaming_diloco_with_one_fragment_and_no_delay_is_diloco(comm, steps=8):
         x, y = shard(comm, step)
         inner.zero_grad()
         F.cross_entropy(model(x), y).backward()
+        if step <= warmup_steps:
+            for p in model.parameters():
+                p.grad = mean_over_ranks(p.grad)
         inner.step()
-        if step % 4 == 0:
-            with torch.no_grad():
+        with torch.no_grad():
+            if step == warmup_steps:
                 for start, p in zip(synced, model.parameters()):
-                    change = start - p
-                    torch.distributed.all_reduce(change)
-                    start.grad = change / comm.world_size
+                    start.copy_(p)
+            if step > warmup_steps and (step - warmup_steps) % period == 0:
+                for start, p in zip(synced, model.parameters()):
+                    start.grad = mean_over_ranks(start - p)
                 outer.step()
                 for start, p in zip(synced, model.parameters()):
                     p.copy_(start)
-    return max((ours[k] - v).abs().max().item() for k, v in model.state_dict().items())
+    return model.state_dict()
+
+
+def streaming_diloco_with_one_fragment_and_no_delay_is_diloco(comm, steps=8):
+    """diloco with fragments=1, delay=0 against DiLoCo written out by hand (period 4),
+    without and with a warm-up of 3 synchronous steps (syncs after steps 7 and 11).
+    Returns the largest difference in parameters of each."""
+    differences = []
+    for warmup_steps, steps in ((0, steps), (3, 11)):
+        ours = train_mlp(comm, "diloco", steps=steps, period=4, fragments=1, delay=0,
+                         warmup_steps=warmup_steps)
+        by_hand = diloco_by_hand(comm, steps, 4, warmup_steps)
+        differences.append(max((ours[k] - v).abs().max().item() for k, v in by_hand.items()))
+    return differences
 
 
 def bytes_sent_per_step(comm, names=("allreduce", "ddp-collectives"), steps=3):

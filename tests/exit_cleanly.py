@@ -75,8 +75,9 @@ EXIT_NOTE = "still waiting on a peer"  # the exit hook's note (launch/exit.py) w
 
 # --- the rank program ----------------------------------------------------------------------
 def rank_main(case: str, backend: str) -> None:
-    """Run the case; a rank that fails also writes its error to $EXIT_CLEANLY_DIR, since
-    mpirun can drop a rank's last output when MPI_Abort ends the job."""
+    """Run the case; a rank that fails also writes its error to $EXIT_CLEANLY_DIR: an
+    error Python does not print (sys.exit(3)) is checked there, and a failed check shows
+    what each rank raised."""
     try:
         _rank_case(case, backend)
     except BaseException as error:
@@ -242,6 +243,7 @@ class Outcome:
     output: str
     leftovers: list
     segments_seen: int = 0  # init-fail: collectives files in /dev/shm when rank 1 failed
+    errors_written: str = ""  # what the failing ranks wrote to $EXIT_CLEANLY_DIR
 
     @property
     def expected_status(self) -> int:
@@ -284,8 +286,13 @@ class Outcome:
             found.append(f"exit {self.returncode}, expected {self.expected_status}")
         if self.leftovers:
             found.append(f"left in /dev/shm: {self.leftovers}")
-        if self.case in FAILURE_SIGNS and FAILURE_SIGNS[self.case] not in self.output:
-            found.append(f"rank 1's error ({FAILURE_SIGNS[self.case]!r}) is not on screen")
+        if self.case in FAILURE_SIGNS:
+            # what Python prints (a traceback) must reach the launcher's output, under
+            # mpirun too, where MPI_Abort ends the job; sys.exit(3) prints nothing
+            seen = self.errors_written if self.case == "sys-exit" else self.output
+            if FAILURE_SIGNS[self.case] not in seen:
+                found.append(f"rank 1's error ({FAILURE_SIGNS[self.case]!r}) is not on "
+                             f"screen (the ranks wrote: {self.errors_written.strip()!r})")
         if (self.launcher == "torchrun" and self.case in RANK1_STATUS
                 and self.rank_status(1) != RANK1_STATUS[self.case]):
             found.append(f"rank 1 exited {self.rank_status(1)}, expected "
@@ -332,16 +339,17 @@ def run_job(launcher: str, case: str, nprocs: int = 2) -> Outcome:
         output = "".join(part.decode(errors="replace") if isinstance(part, bytes) else part
                          for part in (hung.stdout or "", hung.stderr or ""))
     seconds = time.monotonic() - started
-    segments_seen = 0
+    segments_seen, errors_written = 0, ""
     leftovers = sorted(path for path in _created_segments(errors) if os.path.exists(path))
     for name in sorted(os.listdir(errors)):  # the ranks' errors, as they wrote them
         with open(os.path.join(errors, name)) as file:
             if name == "segments-seen":
                 segments_seen = int(file.read())
             elif name.startswith("error-"):
-                output += f"\n[error file] {file.read()}"
+                errors_written += file.read()
     shutil.rmtree(errors, ignore_errors=True)
-    return Outcome(launcher, case, returncode, seconds, output, leftovers, segments_seen)
+    return Outcome(launcher, case, returncode, seconds, output, leftovers, segments_seen,
+                   errors_written)
 
 
 def cases_for(launcher: str) -> list:

@@ -30,7 +30,7 @@ OUT_OF_RANGE = {
     "diloco": {"period": [0, (6, {"fragments": 4})], "fragments": [0],
                "delay": [-1, (4, {"period": 8, "fragments": 2})],
                "outer_lr": [0.0, -0.7], "outer_momentum": [-0.1], "alpha": [-0.5, 1.5],
-               "nesterov": [(True, {"outer_momentum": 0.0})]},
+               "nesterov": [(True, {"outer_momentum": 0.0})], "warmup_steps": [-1]},
     "delayed": {"compensate": ["nesterov"], "implicit_momentum": [1.0, -0.5],
                 "dc_lambda": [-2.0], "dc_decay": [1.0, -0.1], "warmup_steps": [-1]},
     "powersgd": {"rank": [0]},

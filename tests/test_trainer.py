@@ -82,12 +82,16 @@ LOCAL_SGD = ["--sync-option", "period=4", "--sync-option", "warmup_steps=1"]
 HIER = [*LOCAL_SGD, "--sync-option", "local_period=2"]
 STREAMING = ["--sync-option", "period=8", "--sync-option", "fragments=2",
              "--sync-option", "delay=2", "--train-samples", "56"]
+# DiLoCo after a warm-up of 5 synchronous steps, period 4: outer steps after steps 9, 13,
+# ...; the save after step 6 is past the warm-up (a resumed run that forgot it would
+# average gradients again), and the replicas differ at the end (step 12).
+WARMED_UP = ["--sync-option", "warmup_steps=5", "--sync-option", "period=4"]
 RESUMABLE = {"allreduce": [], "fp16": [], "bf16": [], "topk": [], "powersgd": [],
              "delayed": ["--sync-option", "warmup_steps=1"],  # synchronous, then late
              "local-sgd": LOCAL_SGD, "gossip": [], "ddp": [],
              "ddp-collectives": [], "ddp-fp16": [], "ddp-bf16": [], "ddp-powersgd": [],
              "ddp-localsgd": LOCAL_SGD, "hier-local-sgd": HIER, "ddp-hier-localsgd": HIER,
-             "diloco": STREAMING, "torchft-diloco": STREAMING,
+             "diloco": STREAMING, "torchft-diloco": STREAMING, "diloco warm-up": WARMED_UP,
              "topk --amp fp16": ["--amp", "fp16"]}  # residuals and a changing loss scale
 
 

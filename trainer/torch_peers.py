@@ -11,7 +11,9 @@ torch's code, configured to compute what our strategy of the same idea computes:
     ddp-fp16       + fp16_compress_hook                          ours: fp16
     ddp-bf16       + bf16_compress_hook                          ours: bf16
     ddp-powersgd   + powerSGD_hook (rank 2, warm start,
-                   error feedback)                               ours: powersgd
+                   error feedback), one bucket at a time
+                   (one_bucket_at_a_time: the hook races
+                   itself when there are 2 or more buckets)     ours: powersgd
     ddp-localsgd   + post_localSGD_hook and a
                    PeriodicModelAverager (period 8)              ours: local-sgd
     ddp-hier-localsgd  + post_localSGD_hook and a
@@ -145,7 +147,7 @@ class TorchPeer(Peer):
             # torch's hook, with its state kept in step with DDP's bucket layout: it
             # changes after a resumed run's first step (powersgd_layout.py)
             self.layout_keeper = LayoutKeeper(model, state)
-            hook = self.layout_keeper.hook
+            hook = one_bucket_at_a_time(self.layout_keeper.hook)
         elif self.replicas_differ:  # ddp-localsgd, ddp-hier-localsgd
             state = post_localSGD_hook.PostLocalSGDState(
                 process_group=None, subgroup=None, start_localSGD_iter=self.warmup_steps,
@@ -226,6 +228,32 @@ class TorchPeer(Peer):
         elif self.averager is not None:  # ddp-localsgd, ddp-hier-localsgd
             self.hook_state.iter = state["hook_iter"]
             self.averager.step = state["averager_step"]
+
+
+def one_bucket_at_a_time(hook):
+    """`hook`, as a comm hook that starts a bucket's communication only once the bucket
+    before it (in the same backward pass) has finished all of its own.
+
+    torch's powerSGD_hook issues its first all-reduce when DDP calls it, and its second
+    and third (the P's, then the Q's) from callbacks of the first, on the backend's
+    thread. With two or more buckets, the next bucket's first all-reduce, issued by
+    DDP's backward thread, then races with them: one rank may enqueue bucket 0's P's
+    before bucket 1's uncompressed gradients, another after. Collectives are matched by
+    the order they are enqueued, so the ranks add up different tensors; gloo stops on
+    the sizes ("Received data size doesn't match expected size", on gpt-tiny at 4 ranks,
+    where DDP makes a first bucket of 1 MiB and a second of the rest). Waiting for the
+    bucket before keeps the order the same on every rank; the numbers are torch's hook's,
+    unchanged. (It costs the overlap of one bucket's communication with the next's.)"""
+    previous = []  # the future of this backward pass's last bucket so far, if any
+
+    def hook_in_bucket_order(state, bucket):
+        if previous:
+            previous.pop().wait()  # raises the bucket before's error, if it had one
+        future = hook(state, bucket)
+        if not bucket.is_last():
+            previous.append(future)
+        return future
+    return hook_in_bucket_order
 
 
 def _host_size() -> int:

@@ -132,12 +132,28 @@ def _on_uncaught(previous_hook, in_a_job: Callable[[], bool],
         mpi = sys.modules.get("mpi4py.MPI")
         if (in_a_job() and mpi is not None and mpi.Is_initialized()
                 and not mpi.Is_finalized()):
+            _write_out_what_a_wrapping_hook_holds()
             sys.stderr.flush()
             # mpiexec forwards output through its proxies and may drop what is still on
             # the way when an abort tears the job down: give the traceback a moment.
             time.sleep(ABORT_GRACE_SECONDS)
             abort(130 if issubclass(kind, KeyboardInterrupt) else 1)
     return hook
+
+
+def _write_out_what_a_wrapping_hook_holds() -> None:
+    """Write to the process's stderr what this hook printed into a buffer of another's.
+
+    An excepthook installed after ours may wrap it and collect what it prints:
+    torch.distributed's (init_process_group sets it) swaps sys.stderr for a StringIO
+    around the call, to write the traceback out with "[rankN]: " before each line once
+    our hook returns. Ours does not return: it aborts the job. Without this, a rank's
+    traceback under mpirun with the gloo backend would never reach the screen."""
+    held = sys.stderr
+    if held is not sys.__stderr__ and hasattr(held, "getvalue") and sys.__stderr__:
+        sys.__stderr__.write(held.getvalue())
+        held.seek(0)
+        held.truncate()
 
 
 def install_exit_hooks(close: Callable[[], None], in_a_job: Callable[[], bool],

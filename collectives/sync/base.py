@@ -66,12 +66,19 @@ transport's counters say what it sent. Register a new one with `@register("name"
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Type
+from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple, Type
 
 import torch
 
 from ..transport import Transport
 from .options import merged, split, typed
+
+
+class StepCost(NamedTuple):
+    """What one rank sends per optimizer step, on average over the strategy's schedule
+    (a period, a warm-up left out): the terms a cost model prices."""
+    bytes: float        # payload bytes this rank sends, as its transport counts them
+    collectives: float  # collective calls (each pays the network's latency at least once)
 
 
 class SyncStrategy:
@@ -158,6 +165,12 @@ class SyncStrategy:
 
     def close(self) -> None:
         """Training is over: wait for (or cancel) anything still in flight."""
+
+    def cost(self, numels: Sequence[int], world_size: int) -> Optional[StepCost]:
+        """What this strategy sends per step for a model of float32 parameters of
+        `numels` elements on `world_size` ranks, worked out from its rule (the tests
+        check it against the transport's count); None where no strategy says it yet."""
+        return None
 
     def state_dict(self) -> Dict[str, Any]:
         """What this rank's strategy carries across steps, for a checkpoint (between two

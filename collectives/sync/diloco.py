@@ -16,6 +16,12 @@ momentum (lr 0.7, momentum 0.9 in the papers):
                                                      from the same weights
 With outer_lr 1 and no momentum this is local SGD's plain averaging.
 
+A synchronous warm-up (`warmup_steps` W) first trains W steps exactly as `allreduce`
+does (gradients averaged every step, in buckets during backward), then starts DiLoCo
+from the weights every rank holds after step W, with a fresh outer momentum: the
+synchronizations come after steps W + H, W + 2H, ... . The papers start DiLoCo from a
+model pretrained synchronously; this is that pretraining inside one run.
+
 Streaming DiLoCo cuts the parameters into F fragments (contiguous runs of the model's
 parameters of about equal size) and synchronizes one fragment every H/F steps, in
 turn, so each fragment still syncs every H steps but the network carries 1/F of the
@@ -40,13 +46,14 @@ matching synchronous training with 500x less communication. Douillard et al.,
 `DiLoCo` (torchft/local_sgd.py) implements both; trainer/torchft_peer.py runs it as the
 peer `torchft-diloco`, and the tests check that both end with the same parameters.
 
-Checkpoint: the synced weights of every fragment, the outer optimizer's momentum, and
-a fragment's pseudo-gradient in flight (its all-reduce is waited for, then saved
-averaged), so a resumed run continues the same schedule.
+Checkpoint: the synced weights of every fragment, the outer optimizer's momentum, a
+fragment's pseudo-gradient in flight (its all-reduce is waited for, then saved
+averaged), and the steps done (whether the warm-up is over), so a resumed run
+continues the same schedule.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -108,8 +115,14 @@ class DiLoCo(SyncStrategy):
 
     def __init__(self, period: int = 8, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  nesterov: bool = True, fragments: int = 1, delay: int = 0,
-                 alpha: float = 0.0, algorithm: str = "auto"):
+                 alpha: float = 0.0, warmup_steps: int = 0, algorithm: str = "auto"):
         check_schedule(self.name, period, fragments, delay)
+        need(isinstance(warmup_steps, int) and warmup_steps >= 0, self.name,
+             "warmup_steps", warmup_steps, "a whole number, 0 or more")
+        self.warmup_steps = warmup_steps
+        # the warm-up averages gradients in buckets; without one, nothing is bucketed
+        self.uses_buckets = warmup_steps > 0
+        self.steps_done = 0
         check_outer(self.name, outer_lr, outer_momentum, nesterov, alpha)
         check_algorithm(self.name, algorithm)
         self.period, self.fragment_count, self.delay, self.alpha = period, fragments, delay, alpha
@@ -130,16 +143,44 @@ class DiLoCo(SyncStrategy):
             self.channel = comm.duplicate()  # the training thread keeps using comm
             self.worker = CommWorker(comm.device)
 
+    def in_warmup(self) -> bool:
+        """Is the next step one of the synchronous warm-up's?"""
+        return self.steps_done < self.warmup_steps
+
+    def gradient_divisor(self) -> Optional[int]:
+        return self.comm.world_size if self.in_warmup() else None
+
+    def reduce_bucket(self, flat: torch.Tensor) -> None:
+        """Warm-up: sum the bucket's gradients, divided already (allreduce's way)."""
+        if self.in_warmup():
+            api.all_reduce(flat, op="sum", algorithm=self.algorithm, comm=self.bucket_comm,
+                           check=False)
+
     def fragment_at(self, step: int) -> int:
         """The fragment whose synchronization completes at the next multiple of `every`
-        at or after `step`: fragments take turns, 0 first."""
-        return (-(-step // self.every) - 1) % self.fragment_count
+        at or after `step` (counted from the end of the warm-up): fragments take turns,
+        0 first."""
+        return (-(-(step - self.warmup_steps) // self.every) - 1) % self.fragment_count
 
     def after_step(self, model: torch.nn.Module, step: int) -> None:
-        if (step + self.delay) % self.every == 0:
+        self.steps_done = step
+        if step <= self.warmup_steps:
+            if step == self.warmup_steps:
+                self._start_from(model)
+            return
+        since = step - self.warmup_steps  # inner steps since DiLoCo began
+        if (since + self.delay) % self.every == 0:
             self._send(self.fragment_at(step))
-        if step % self.every == 0:
+        if since % self.every == 0:
             self._merge()
+
+    @torch.no_grad()
+    def _start_from(self, model: torch.nn.Module) -> None:
+        """The warm-up is over: the weights every rank now holds (the same on all) are
+        the first synced ones. The outer optimizers have taken no step: no momentum."""
+        for synced, fragment in zip(self.synced, self.fragments):
+            for tensor, p in zip(synced, fragment):
+                tensor.copy_(p)
 
     def _send(self, index: int) -> None:
         """Average this fragment's pseudo-gradient over the ranks: at once without a
@@ -197,7 +238,8 @@ class DiLoCo(SyncStrategy):
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = {
             "synced": [[t.clone() for t in synced] for synced in self.synced],
-            "outer": [optimizer.state_dict() for optimizer in self.outer]}
+            "outer": [optimizer.state_dict() for optimizer in self.outer],
+            "steps_done": self.steps_done}
         if self.in_flight:
             index, pseudo = self._wait_in_flight()
             state["in_flight"] = (index, pseudo.clone())
@@ -210,6 +252,7 @@ class DiLoCo(SyncStrategy):
                 tensor.copy_(value)
         for optimizer, saved in zip(self.outer, state["outer"]):
             optimizer.load_state_dict(saved)
+        self.steps_done = state.get("steps_done", 0)  # absent from checkpoints without it
         if "in_flight" in state:  # its all-reduce already done
             index, pseudo = state["in_flight"]
             self.in_flight = (index, pseudo.to(device), None)
