@@ -20,24 +20,33 @@ from trainer import bench, torch_peers
 from trainer.timing import SentBytes
 
 
-def train_peer(comm, name, steps=5, lr=0.1, fixed_batch=False, batchnorm=False, **options):
-    """Train the checks' MLP with a torch peer, in the trainer's order; return the state
-    and the losses."""
-    peer = torch_peers.create(name, **options)
-    module = mlp(batchnorm)
+def train_with_peer(peer, module, make_optimizer, loss_at, steps):
+    """Train `module` wrapped by torch peer `peer`, in the trainer's order of moments:
+    loss_at(model, step) is the step's loss. Returns the losses."""
     model = peer.wrap(module)
-    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    optimizer = make_optimizer(model.parameters())
     losses = []
     for step in range(1, steps + 1):
-        x, y = shard(comm, 0 if fixed_batch else step)
         optimizer.zero_grad()
-        loss = F.cross_entropy(model(x), y)
+        loss = loss_at(model, step)
         loss.backward()
         losses.append(loss.item())
         peer.after_backward(module)
         optimizer.step()
         peer.after_step(module, step)
     peer.close()
+    return losses
+
+
+def train_peer(comm, name, steps=5, lr=0.1, fixed_batch=False, batchnorm=False, **options):
+    """Train the checks' MLP with a torch peer; return the state and the losses."""
+    module = mlp(batchnorm)
+
+    def loss_at(model, step):
+        x, y = shard(comm, 0 if fixed_batch else step)
+        return F.cross_entropy(model(x), y)
+    losses = train_with_peer(torch_peers.create(name, **options), module,
+                             lambda params: torch.optim.SGD(params, lr=lr), loss_at, steps)
     return {k: v.clone() for k, v in module.state_dict().items()}, losses
 
 
@@ -69,22 +78,15 @@ def powersgd_peer_on_a_model_of_two_buckets(comm, steps=5):
     ends with the same parameters."""
     from trainer.tasks.gpt import build_gpt
     torch.manual_seed(0)
-    peer = torch_peers.create("ddp-powersgd")
     module = build_gpt("gpt-tiny")
-    model = peer.wrap(module)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(comm.rank)
     tokens = torch.randint(0, 256, (4, 32), generator=generator)  # each rank's, every step
-    losses = []
-    for step in range(1, steps + 1):
-        optimizer.zero_grad()
-        loss = F.cross_entropy(model(tokens)[:, :-1].reshape(-1, 256), tokens[:, 1:].reshape(-1))
-        loss.backward()
-        losses.append(loss.item())
-        peer.after_backward(module)
-        optimizer.step()
-        peer.after_step(module, step)
-    peer.close()
+
+    def loss_at(model, step):
+        return F.cross_entropy(model(tokens)[:, :-1].reshape(-1, 256),
+                               tokens[:, 1:].reshape(-1))
+    losses = train_with_peer(torch_peers.create("ddp-powersgd"), module,
+                             lambda params: torch.optim.AdamW(params, lr=3e-3), loss_at, steps)
     flat = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     gathered = [torch.empty_like(flat) for _ in range(comm.world_size)]
     torch.distributed.all_gather(gathered, flat)
