@@ -30,6 +30,9 @@ OPTIONS = {
     "hier-local-sgd": dict(period=4, local_period=2),
     "local-sgd": dict(period=2, warmup_steps=1),
     "powersgd": dict(rank=1),
+    "sparseloco": dict(period=2),
+    "noloco": dict(period=2),
+    "sparta": dict(fraction=0.1, diloco_period=3),
     "topk": dict(ratio=0.1),
 }
 # Rounds on a background thread finish when the threads happen to get there, and two

@@ -19,8 +19,9 @@ from distributed import run_world
 
 def test_unknown_strategy_lists_the_available_ones():
     with pytest.raises(ValueError, match="unknown sync strategy 'sgd2': choose from allreduce, "
-                                         "async-avg, bf16, delayed, diloco, fp16, gossip, "
-                                         "hier-local-sgd, local-sgd"):
+                                         "async-avg, bf16, delayed, demo, diloco, fp16, "
+                                         "gossip, hier-local-sgd, local-sgd, noloco, "
+                                         "powersgd, sparseloco, sparta, topk$"):
         sync.create("sgd2")
 
 
@@ -257,3 +258,28 @@ def test_gradients_with_a_graph_of_their_own_are_divided_too():
     finally:
         bucketer.close()
         model.zero_grad()  # the graph's reference cycle
+
+
+def test_diloco_drops_a_synchronization_whose_average_is_not_finite():
+    """One rank's overflow reaches every rank's average: no outer step on it (the outer
+    momentum would keep the inf for good), every replica back at the synced weights;
+    the next synchronization steps as usual. A world of one: the average is its own."""
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=30))
+    model = mlp()
+    strategy = sync.create("diloco", period=2, algorithm="ring")
+    strategy.setup(model, comm)
+    before = [p.detach().clone() for p in model.parameters()]
+    with torch.no_grad():
+        next(model.parameters())[0, 0] = float("inf")
+    strategy.after_step(model, 1)
+    strategy.after_step(model, 2)
+    for p, start in zip(model.parameters(), before):
+        assert torch.equal(p, start)
+    assert all(not state for outer in strategy.outer for state in outer.state.values())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.1)
+    strategy.after_step(model, 3)
+    strategy.after_step(model, 4)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert any(not torch.equal(p, start) for p, start in zip(model.parameters(), before))

@@ -35,9 +35,16 @@ OUT_OF_RANGE = {
                 "dc_lambda": [-2.0], "dc_decay": [1.0, -0.1], "warmup_steps": [-1]},
     "powersgd": {"rank": [0]},
     "async-avg": {}, "gossip": {},
+    "sparseloco": {"period": [0, -30], "error_decay": [-0.1, 1.5], "density": [0.0, 1.5],
+                   "chunk": [0], "bits": [3, 16], "outer_lr": [0.0, -1.0]},
+    "demo": {"momentum": [-0.1, 1.0], "chunk": [0], "topk": [0]},
+    "noloco": {"period": [0, -3], "outer_lr": [0.0, -0.7], "outer_momentum": [-0.1, 1.0],
+               "gamma": [-0.5]},
+    "sparta": {"fraction": [0.0, 1.5, -0.1], "diloco_period": [-1], "outer_lr": [0.0, -0.7],
+               "outer_momentum": [-0.1]},
 }
 # Options whose every value of the right type is taken.
-ANY_VALUE = {("powersgd", "seed")}
+ANY_VALUE = {("powersgd", "seed"), ("noloco", "seed"), ("sparta", "seed")}
 
 # Text from the command line that is not of an option's type, and Python values that
 # are not (a bool is not a number).

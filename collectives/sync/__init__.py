@@ -11,6 +11,12 @@
     fp16, bf16   average gradients in 16 bits
     topk         send the largest 1% of each bucket, keep the rest as error feedback
     powersgd     send rank-r factors of each gradient matrix, with error feedback
+    sparseloco   diloco with error feedback in place of outer momentum; top-k of each
+                 chunk of the pseudo-gradient, in 2 bits, all-gathered
+    demo         momentum kept on each rank; the top DCT coefficients of each tile
+                 all-gathered every step, the optimizer steps on the sign
+    noloco       diloco's outer step with one random peer at a time, no all-reduce
+    sparta       average a random 0.5 % of the parameters every step (+ diloco)
 
 Every module in this folder is imported here, so a new strategy is one new file with
 an `@register("name")` class: nothing else to edit (docs/writing_a_sync_strategy.md).

@@ -66,12 +66,22 @@ transport's counters say what it sent. Register a new one with `@register("name"
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple, Type
+import math
+from typing import (Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple, Type,
+                    Union)
 
 import torch
 
 from ..transport import Transport
 from .options import merged, split, typed
+
+
+Shape = Union[int, Sequence[int]]  # a parameter's shape; an int is a vector's length
+
+
+def element_count(shape: Shape) -> int:
+    """How many elements a parameter of this shape holds."""
+    return shape if isinstance(shape, int) else math.prod(shape)
 
 
 class StepCost(NamedTuple):
@@ -166,10 +176,11 @@ class SyncStrategy:
     def close(self) -> None:
         """Training is over: wait for (or cancel) anything still in flight."""
 
-    def cost(self, numels: Sequence[int], world_size: int) -> Optional[StepCost]:
-        """What this strategy sends per step for a model of float32 parameters of
-        `numels` elements on `world_size` ranks, worked out from its rule (the tests
-        check it against the transport's count); None where no strategy says it yet."""
+    def cost(self, shapes: Sequence[Shape], world_size: int) -> Optional[StepCost]:
+        """What this strategy sends per step for a model of float32 parameters of these
+        shapes (an int: a vector of that many elements) on `world_size` ranks, worked
+        out from its rule (the tests check it against the transport's count); None where
+        no strategy says it yet. Shapes, not sizes: demo's tiles depend on them."""
         return None
 
     def state_dict(self) -> Dict[str, Any]:

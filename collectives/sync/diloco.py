@@ -37,7 +37,9 @@ DiLoCo.
 
 Buffers (BatchNorm statistics) are not synchronized: each replica keeps its own, and
 the run's model is the average of the replicas (`replicas_differ`), what the trainer
-evaluates and saves.
+evaluates and saves. A synchronization whose average is not finite (one rank's
+overflow) is dropped on every rank: no outer step, every replica back at the synced
+weights.
 
 Literature: Douillard et al., "DiLoCo: Distributed Low-Communication Training of
 Language Models" (2023): inner AdamW, H = 500, outer Nesterov lr 0.7 momentum 0.9,
@@ -59,7 +61,7 @@ import torch
 
 from .. import api
 from ..bucketer import CommWorker
-from .base import SyncStrategy, register
+from .base import SyncStrategy, finite, register
 from .options import WORDS, check_algorithm, need
 
 
@@ -207,9 +209,16 @@ class DiLoCo(SyncStrategy):
     @torch.no_grad()
     def _merge(self) -> None:
         """The outer step on the fragment's synced weights, then the replica takes them
-        (mixed with its own by alpha)."""
+        (mixed with its own by alpha). An average that is not finite (an overflow on any
+        rank; every rank holds the same average, so every rank decides alike) is not
+        stepped on: the synced weights and the outer momentum stay as they were, and
+        the replica goes back to them."""
         index, pseudo = self._wait_in_flight()
         self.in_flight = None
+        if not finite([pseudo]):
+            for synced, p in zip(self.synced[index], self.fragments[index]):
+                p.copy_(synced)
+            return
         offset = 0
         for synced in self.synced[index]:
             synced.grad = pseudo[offset:offset + synced.numel()].view_as(synced)
