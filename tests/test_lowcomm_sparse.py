@@ -103,3 +103,25 @@ def test_cost_is_the_bytes_of_the_rule():
     # tiles of 200 x 200 (40000 entries): int32 positions
     assert sync.create("demo", chunk=200).cost([(400, 400)], 2) == (4 * 32 * 8, 1)
     assert sync.create("demo").cost([(512, 128)], 1).bytes == 0
+
+
+def test_a_16_bit_model_keeps_its_momentum_and_errors_in_float32():
+    """In bfloat16, m * 0.999 rounds back to m: DeMo's momentum would never decay, and
+    SparseLoCo's error buffer would lose small changes. A world of one."""
+    from datetime import timedelta
+    from collectives.transport.local import LocalTransport
+    comm = LocalTransport(torch.device("cpu"), timedelta(seconds=30))
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4).bfloat16()
+    strategy = sync.create("demo", chunk=4, topk=3, algorithm="ring")
+    strategy.setup(model, comm)
+    assert {m.dtype for m in strategy.momenta} == {torch.float32}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    strategy.after_backward(model)
+    assert {m.dtype for m in strategy.momenta} == {torch.float32}
+    assert all(p.grad.dtype == torch.bfloat16 and torch.isfinite(p.grad).all()
+               for p in model.parameters())
+    strategy = sync.create("sparseloco", period=1, chunk=8, density=0.25, algorithm="ring")
+    strategy.setup(model, comm)
+    assert {e.dtype for e in strategy.errors} == {torch.float32}

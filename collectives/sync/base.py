@@ -84,6 +84,13 @@ def element_count(shape: Shape) -> int:
     return shape if isinstance(shape, int) else math.prod(shape)
 
 
+def state_dtype(param: torch.Tensor) -> torch.dtype:
+    """The dtype of what a strategy keeps across steps for `param` (a momentum, an error
+    buffer): float32 for a 16-bit parameter, whose precision would lose the small
+    changes those sums live on (in bfloat16, m * 0.999 rounds back to m); else its own."""
+    return torch.float32 if param.dtype in (torch.float16, torch.bfloat16) else param.dtype
+
+
 class StepCost(NamedTuple):
     """What one rank sends per optimizer step, on average over the strategy's schedule
     (a period, a warm-up left out): the terms a cost model prices."""

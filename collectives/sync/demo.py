@@ -78,7 +78,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple, Union
 import torch
 
 from .. import algorithms, api
-from .base import Shape, StepCost, SyncStrategy, element_count, finite, register
+from .base import Shape, StepCost, SyncStrategy, element_count, finite, register, state_dtype
 from .options import check_algorithm, need
 
 INT16_TILE = 32768  # the largest tile whose positions (0 .. h w - 1) fit int16
@@ -151,7 +151,7 @@ class DeMo(SyncStrategy):
         self.params = [p for p in model.parameters() if p.requires_grad and p.numel()]
         self.tilings = [tiling(p.shape, self.chunk, self.topk) for p in self.params]
         self.index_dtype = index_dtype(self.tilings)
-        self.momenta = [torch.zeros_like(p) for p in self.params]
+        self.momenta = [torch.zeros_like(p, dtype=state_dtype(p)) for p in self.params]
         self.bases: Dict[Tuple[int, torch.dtype, torch.device], torch.Tensor] = {}
 
     def cost(self, shapes: Sequence[Shape], world_size: int) -> StepCost:
@@ -220,8 +220,8 @@ class DeMo(SyncStrategy):
         gathered = payload.new_empty(n * payload.numel())
         api.all_gather(gathered, payload, algorithm=self.gather_algorithm, comm=self.comm,
                        check=False)
-        totals = [torch.zeros(t.tiles, t.h * t.w, dtype=p.dtype, device=p.device)
-                  for p, t in zip(self.params, self.tilings)]
+        totals = [torch.zeros(t.tiles, t.h * t.w, dtype=m.dtype, device=m.device)
+                  for m, t in zip(self.momenta, self.tilings)]
         for rank_bytes in gathered.view(n, -1):
             for total, packet in zip(totals, self.decode(rank_bytes)):
                 total.scatter_add_(1, packet.indices.long().to(total.device),
@@ -237,7 +237,7 @@ class DeMo(SyncStrategy):
                 average = average.sign_()
             average.mul_(scale)
             if p.grad is None:
-                p.grad = average
+                p.grad = average.to(p.dtype)
             else:
                 p.grad.copy_(average)
 

@@ -91,7 +91,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 import torch
 
 from .. import algorithms, api
-from .base import Shape, StepCost, SyncStrategy, element_count, finite, register
+from .base import Shape, StepCost, SyncStrategy, element_count, finite, register, state_dtype
 from .options import check_algorithm, need
 
 BIT_WIDTHS = (2, 4, 8, 32)  # 32: float32 values, no quantization (1 bit: two bins
@@ -205,7 +205,7 @@ class SparseLoCo(SyncStrategy):
         # the weights every rank held after the last synchronization, and what this
         # rank has not sent yet
         self.synced = [p.detach().clone() for p in self.params]
-        self.errors = [torch.zeros_like(p) for p in self.params]
+        self.errors = [torch.zeros_like(p, dtype=state_dtype(p)) for p in self.params]
 
     def replicas_equal_after(self, step: int) -> bool:
         return step % self.period == 0
@@ -298,8 +298,8 @@ class SparseLoCo(SyncStrategy):
         gathered = payload.new_empty(n * payload.numel())
         api.all_gather(gathered, payload, algorithm=self.gather_algorithm, comm=self.comm,
                        check=False)
-        totals = [torch.zeros(part.chunks, part.length, dtype=p.dtype, device=p.device)
-                  for p, part in zip(self.params, self.parts)]
+        totals = [torch.zeros(part.chunks, part.length, dtype=error.dtype, device=p.device)
+                  for p, error, part in zip(self.params, self.errors, self.parts)]
         for rank_bytes in gathered.view(n, -1):
             for total, packet, part in zip(totals, self.decode(rank_bytes), self.parts):
                 total.scatter_add_(1, packet.indices.long().to(total.device),

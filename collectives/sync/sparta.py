@@ -130,15 +130,14 @@ class Sparta(SyncStrategy):
         starts = [0]
         for p in self.params:
             starts.append(starts[-1] + p.numel())
-        self.starts = torch.tensor(starts)  # parameter i holds positions [starts[i], starts[i+1])
+        self.starts = starts  # parameter i holds positions [starts[i], starts[i+1])
         self.count = subset_size(self.fraction, starts[-1])
         if self.diloco is not None:
             self.diloco.setup(model, comm)
 
     def positions(self, step: int) -> torch.Tensor:
         """The flattened positions averaged after `step`: the same on every rank."""
-        return random_subset(int(self.starts[-1]), self.count,
-                             generator_for(self.seed, step))
+        return random_subset(self.starts[-1], self.count, generator_for(self.seed, step))
 
     def after_step(self, model: torch.nn.Module, step: int) -> None:
         diloco_syncs = self.diloco is not None and step % self.diloco.period == 0
@@ -150,20 +149,27 @@ class Sparta(SyncStrategy):
     @torch.no_grad()
     def _average_subset(self, step: int) -> None:
         chosen = self.positions(step)
-        bounds = torch.searchsorted(chosen, self.starts).tolist()  # chosen's run per param
-        pieces = []  # (flat parameter, its positions, where its values sit in `values`)
+        bounds = torch.searchsorted(chosen, torch.tensor(self.starts)).tolist()
+        pieces = []  # (parameter, flat view or copy, its positions, its run in `values`)
         for index, p in enumerate(self.params):
             low, high = bounds[index], bounds[index + 1]
             if high > low:
-                local = (chosen[low:high] - int(self.starts[index])).to(p.device)
-                pieces.append((p.detach().view(-1), local, low, high))
-        values = torch.cat([flat[local] for flat, local, _, _ in pieces])
+                local = (chosen[low:high] - self.starts[index]).to(p.device)
+                # a non-contiguous parameter (channels_last) has no flat view: a copy
+                pieces.append((p, p.detach().reshape(-1), local, low, high))
+        values = torch.cat([flat[local] for _, flat, local, _, _ in pieces])
         # Every rank draws the same positions from the same model: the call needs no check.
         api.all_reduce(values, op="avg", algorithm=self.algorithm, comm=self.comm,
                        check=False)
         if finite([values]):
-            for flat, local, low, high in pieces:
+            for p, flat, local, low, high in pieces:
                 flat.index_copy_(0, local, values[low:high].to(flat.dtype))
+                if not p.is_contiguous():
+                    p.copy_(flat.view_as(p))
+
+    def settle(self) -> None:
+        if self.diloco is not None:
+            self.diloco.settle()
 
     def close(self) -> None:
         if self.diloco is not None:
