@@ -33,6 +33,8 @@ OPTIONS = {
     "sparseloco": dict(period=2),
     "noloco": dict(period=2),
     "sparta": dict(fraction=0.1, diloco_period=3),
+    "muloco": dict(period=2, warmup_steps=1),
+    "onebit-adam": dict(freeze_step=2),
     "topk": dict(ratio=0.1),
 }
 # Rounds on a background thread finish when the threads happen to get there, and two

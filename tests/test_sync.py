@@ -20,8 +20,9 @@ from distributed import run_world
 def test_unknown_strategy_lists_the_available_ones():
     with pytest.raises(ValueError, match="unknown sync strategy 'sgd2': choose from allreduce, "
                                          "async-avg, bf16, delayed, demo, diloco, fp16, "
-                                         "gossip, hier-local-sgd, local-sgd, noloco, "
-                                         "powersgd, sparseloco, sparta, topk$"):
+                                         "gossip, hier-local-sgd, local-sgd, muloco, noloco, "
+                                         "onebit-adam, powersgd, sparseloco, sparta, "
+                                         "topk$"):
         sync.create("sgd2")
 
 

@@ -38,13 +38,19 @@ OUT_OF_RANGE = {
     "sparseloco": {"period": [0, -30], "error_decay": [-0.1, 1.5], "density": [0.0, 1.5],
                    "chunk": [0], "bits": [3, 16], "outer_lr": [0.0, -1.0]},
     "demo": {"momentum": [-0.1, 1.0], "chunk": [0], "topk": [0]},
+    "muloco": {"period": [0, -30], "compression": ["sparse", "TOPK"], "bits": [3, 16, 32],
+               "density": [0.0, 1.5], "chunk": [0], "error_decay": [-0.1, 1.5],
+               "outer_lr": [0.0, -0.7], "outer_momentum": [-0.1], "warmup_steps": [-1]},
+    "onebit-adam": {"beta1": [-0.1, 1.0], "beta2": [-0.1, 1.0], "eps": [0.0, -1e-8],
+                    "freeze_step": [0, -5]},
     "noloco": {"period": [0, -3], "outer_lr": [0.0, -0.7], "outer_momentum": [-0.1, 1.0],
                "gamma": [-0.5]},
     "sparta": {"fraction": [0.0, 1.5, -0.1], "diloco_period": [-1], "outer_lr": [0.0, -0.7],
                "outer_momentum": [-0.1]},
 }
 # Options whose every value of the right type is taken.
-ANY_VALUE = {("powersgd", "seed"), ("noloco", "seed"), ("sparta", "seed")}
+ANY_VALUE = {("powersgd", "seed"), ("noloco", "seed"), ("sparta", "seed"),
+             ("onebit-adam", "bias_correction")}
 
 # Text from the command line that is not of an option's type, and Python values that
 # are not (a bool is not a number).

@@ -15,7 +15,12 @@
                  chunk of the pseudo-gradient, in 2 bits, all-gathered
     demo         momentum kept on each rank; the top DCT coefficients of each tile
                  all-gathered every step, the optimizer steps on the sign
+    muloco       diloco whose pseudo-gradient is compressed with error feedback (top-k
+                 per chunk, or every entry in 2/4/8 bits), all-gathered; MuLoCo with
+                 the trainer's --optimizer muon
     noloco       diloco's outer step with one random peer at a time, no all-reduce
+    onebit-adam  Adam inside the strategy: a full-precision warm-up, then v frozen and
+                 the momentum all-reduced in 1 bit with worker and server error feedback
     sparta       average a random 0.5 % of the parameters every step (+ diloco)
 
 Every module in this folder is imported here, so a new strategy is one new file with
