@@ -73,6 +73,21 @@ def draw_compare_against(data: str, picture: str, baseline: str, reruns=()) -> N
     compare.plot(rows, picture, final)
 
 
+def draw_lowcomm(data: str, picture: str) -> None:
+    """DDP's and DiLoCo's jobs of the language model's study (`data`), and the newest
+    methods' jobs, run beside them in three runs (one per optimizer): one picture."""
+    from trainer import compare
+    wanted = ("ddp", "diloco:period=30")
+    jobs = [job for job in read_rows(data) if job["sync"] in wanted]
+    for run in LOWCOMM_RUNS:
+        jobs += read_rows(os.path.join(DATA, "study_lm_20261129", run + ".jsonl"))
+    rows = [compare.summarize(job, 0.0) for job in jobs]
+    compare.plot(rows, picture, compare.against_baseline(rows, "ddp")["final"])
+
+
+LOWCOMM_RUNS = ("lowcomm_adamw", "lowcomm_sign", "lowcomm_muon")
+
+
 def draw_timeline(data: str, picture_path: str) -> None:
     """Per rank and thread, what each sync did: `python -m collectives.trace DIR`."""
     from collectives.trace import picture, summary
@@ -136,6 +151,11 @@ FIGURES_OF_THE_DOCS = [
            f"--out docs/data/study_lm_20261129/compare_50mbit --sync {LM_SYNCS} "
            "(ddp-powersgd, which failed in it, again on its own after its fix: "
            "--sync ddp-powersgd --out docs/data/study_lm_20261129/compare_50mbit_ddp_powersgd)"),
+    Figure("compare_lm_lowcomm.png", "study_lm_20261129/compare_50mbit.jsonl", draw_lowcomm,
+           "the language model's study (above), then, on the same cluster: "
+           "python -m trainer.compare --hosts 4 --bandwidth 50mbit --model gpt-tiny "
+           "--steps 400 --eval-every 50 --out docs/data/study_lm_20261129/RUN ..., RUN one of "
+           f"{', '.join(LOWCOMM_RUNS)} (their commands: docs/compare.md)"),
     Figure("timeline.png", "timeline_trace.json", draw_timeline,
            f"{CLUSTER_100MBIT} python -m trainer.bench --sync ddp,allreduce,powersgd "
            "--steps 3 --rounds 1 --warmup 2 --trace run && "

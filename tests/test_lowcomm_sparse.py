@@ -125,3 +125,12 @@ def test_a_16_bit_model_keeps_its_momentum_and_errors_in_float32():
     strategy = sync.create("sparseloco", period=1, chunk=8, density=0.25, algorithm="ring")
     strategy.setup(model, comm)
     assert {e.dtype for e in strategy.errors} == {torch.float32}
+    strategy = sync.create("muloco", period=1, algorithm="ring")
+    strategy.setup(model, comm)
+    assert {e.dtype for e in strategy.errors} == {torch.float32}
+    with torch.no_grad():
+        for p in model.parameters():
+            p.sub_(0.01)
+    strategy.after_step(model, 1)  # the outer step takes the average in the model's dtype
+    assert all(p.dtype == torch.bfloat16 and torch.isfinite(p).all()
+               for p in model.parameters())

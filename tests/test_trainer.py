@@ -336,6 +336,11 @@ BAD_FLAGS = [
      "--sync allreduce with overlap=forward does not take --amp fp16"),
     (["--sync-option", "overlap=sideways"], "allreduce: overlap must be one of backward, "
                                             "forward, got 'sideways'"),
+    (["--sync", "onebit-adam", "--model", "gpt-nano"],  # the language task: AdamW, clip 1
+     "--sync onebit-adam computes the whole update itself: it needs --optimizer sgd "
+     "--momentum 0 --clip-grad 0 (got --optimizer adamw, --clip-grad 1.0)"),
+    (["--sync", "onebit-adam", "--optimizer", "sgd", "--clip-grad", "0"],
+     "(got --momentum 0.9)"),
 ]
 
 

@@ -113,6 +113,10 @@ class SyncStrategy:
     uneven_steps = False
     period = 1
     warmup_steps = 0
+    # True: the strategy computes the whole update (1-bit Adam's m / sqrt(v)) and hands
+    # it over as the gradient, so the optimizer must take it as it is: plain SGD, no
+    # momentum, no clipping (the trainer refuses other flags).
+    hands_over_the_update = False
     # how many synchronizations each period holds (streaming DiLoCo: one per fragment);
     # benchmarks count them
     syncs_per_period = 1

@@ -111,7 +111,7 @@ from typing import Any, Dict, List, NamedTuple, Sequence, Tuple
 import torch
 
 from .. import api
-from .base import Shape, StepCost, element_count, finite, register
+from .base import Shape, StepCost, element_count, finite, register, state_dtype
 from .diloco import DiLoCo
 from .options import need
 from .sparseloco import SparseLoCo, chunking, dequantize, pack, packet_bytes, quantize, unpack
@@ -163,7 +163,7 @@ class MuLoCo(DiLoCo):
                              for i in self.coded]
         # what this rank has not sent yet (none: always nothing)
         self.errors = ([] if self.compression == "none" else
-                       [torch.zeros_like(p) for p in self.params])
+                       [torch.zeros_like(p, dtype=state_dtype(p)) for p in self.params])
         self.candidates = self.sent = None  # a synchronization's new buffers, until merged
 
     def replicas_equal_after(self, step: int) -> bool:
@@ -194,10 +194,11 @@ class MuLoCo(DiLoCo):
             super()._send(index)  # DiLoCo's all-reduce of the pseudo-gradient
             return
         n = self.comm.world_size
-        self.candidates = [error * self.error_decay + (synced - p.detach())
+        self.candidates = [error * self.error_decay + (synced.to(error.dtype)
+                                                       - p.detach().to(error.dtype))
                            for error, synced, p in zip(self.errors, self.synced[index],
                                                        self.params)]
-        self.sent = [torch.zeros_like(p) for p in self.params]
+        self.sent = [torch.zeros_like(error) for error in self.errors]
         pieces = []
         for at, i in enumerate(self.coded):
             piece, self.sent[i] = self.compress(self.candidates[i], at)
@@ -206,11 +207,12 @@ class MuLoCo(DiLoCo):
         gathered = payload.new_empty(n * payload.numel())
         api.all_gather(gathered, payload, algorithm=self.sparse.gather_algorithm,
                        comm=self.comm, check=False)
-        totals = [p.new_zeros(p.numel()) for p in self.params]  # flat, as diloco's
+        totals = [error.new_zeros(error.numel()) for error in self.errors]  # flat, as diloco's
         for rank_bytes in gathered.view(n, -1):
             for i, decoded in zip(self.coded, self.decode(rank_bytes)):
                 totals[i].add_(decoded.to(totals[i]))
-        average = torch.cat(totals) / n
+        # in the parameters' dtype, as diloco's outer step takes it
+        average = torch.cat([(total / n).to(p.dtype) for total, p in zip(totals, self.params)])
         self.in_flight = (index, average, None)  # merged at once: no delay
 
     @torch.no_grad()

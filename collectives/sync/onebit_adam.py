@@ -168,6 +168,7 @@ def unpack_signs(packed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 @register("onebit-adam")
 class OnebitAdam(SyncStrategy):
     uses_buckets = False
+    hands_over_the_update = True  # Adam's direction: for plain SGD (see above)
 
     def __init__(self, beta1: float = 0.9, beta2: float = 0.999, eps: float = 1e-8,
                  freeze_step: int = 200, bias_correction: bool = False,

@@ -317,6 +317,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "number of steps; use --shards static")
     if getattr(strategy, "overlap", "backward") == "forward":
         refuse_for_forward_overlap(parser, args)
+    if getattr(strategy, "hands_over_the_update", False):
+        refuse_but_plain_sgd(parser, args)
     if args.elastic:
         refuse_for_elastic(parser, args)
     elif args.store or args.min_ranks != 1:
@@ -379,6 +381,18 @@ def refuse_for_elastic(parser: argparse.ArgumentParser, args: argparse.Namespace
     for flag, given in unsupported.items():
         if given:
             parser.error(f"--elastic does not take {flag}")
+
+
+def refuse_but_plain_sgd(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A strategy that hands over the whole update as the gradient (onebit-adam: Adam's
+    m / sqrt(v)) needs an optimizer that applies it as it is (exit 2 otherwise)."""
+    wrong = {f"--optimizer {args.optimizer}": args.optimizer != "sgd",
+             f"--momentum {args.momentum}": args.optimizer == "sgd" and args.momentum != 0,
+             f"--clip-grad {args.clip_grad}": args.clip_grad > 0}
+    given = [flag for flag, is_wrong in wrong.items() if is_wrong]
+    if given:
+        parser.error(f"--sync {args.sync} computes the whole update itself: it needs "
+                     f"--optimizer sgd --momentum 0 --clip-grad 0 (got {', '.join(given)})")
 
 
 def refuse_for_forward_overlap(parser: argparse.ArgumentParser,
