@@ -9,18 +9,16 @@ Nesterov outer step) written out step by step, with torch.distributed's own coll
 cost(). Then a round that is not finite, `none` against diloco, a plain torch loop, and
 a resume bit for bit.
 """
-import io
 import math
 
 import torch
 from torch import nn
 
-import collectives
 from collectives import sync
+from checks_lowcomm_sparse import resumes_bit_for_bit as sparse_resumes_bit_for_bit
 from checks_lowcomm_sparse import (check_the_gather, floats, int16s, plain_loop_bytes,
                                    quantized_by_hand, recorded_gathers, same_on_every_rank,
-                                   sparseloco_sent_by_hand, summed_over_ranks, train)
-from checks_sync import mlp
+                                   sparseloco_sent_by_hand, summed_over_ranks)
 
 # A Linear(10, 3): its weight's 30 entries in 4 chunks of 8 (the last padded), 2 kept
 # of each; its bias one chunk of 3, 1 kept.
@@ -223,44 +221,17 @@ def none_is_diloco(comm, syncs=2):
     return "ok"
 
 
-def strategy_state(strategy):
-    """Every tensor a muloco carries, and its steps done."""
-    return ([t.clone() for t in strategy.synced[0]] + [e.clone() for e in strategy.errors]
-            + [m.clone() for m in momentum_buffers(strategy) if m is not None],
-            strategy.steps_done)
+def errors_fed_back(strategy):
+    """Something waits in the error buffers: the resume has it to carry."""
+    assert any(e.abs().sum() > 0 for e in strategy.errors), "nothing fed back yet"
 
 
 def resumes_bit_for_bit(comm, options, first, then):
-    """`first` steps of a plain torch loop, a checkpoint (through torch.save, as the
-    trainer's), `then` more; and a fresh model, optimizer and strategy loaded from the
-    checkpoint, `then` more: both end bitwise alike, strategy state included."""
-    model, strategy, optimizer = train(comm, "muloco", options, first)
-    buffer = io.BytesIO()
-    torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict(),
-                "strategy": strategy.state_dict()}, buffer)
-    assert any(e.abs().sum() > 0 for e in strategy.errors), "nothing fed back yet"
-    train(comm, "muloco", options, then, model, strategy, optimizer, first=first + 1)
-    expected = {key: t.clone() for key, t in model.module.state_dict().items()}
-    expected_state, expected_steps = strategy_state(strategy)
-    model.close()
-
-    buffer.seek(0)
-    saved = torch.load(buffer)
-    strategy = sync.create("muloco", algorithm="ring", **options)
-    resumed = collectives.DistributedDataParallel(mlp().float(), sync=strategy, comm=comm)
-    optimizer = torch.optim.SGD(resumed.parameters(), lr=0.05, momentum=0.9)
-    resumed.module.load_state_dict(saved["model"])
-    optimizer.load_state_dict(saved["optimizer"])
-    strategy.load_state_dict(saved["strategy"])
-    resumed.optimizer_steps = first
-    train(comm, "muloco", options, then, resumed, strategy, optimizer, first=first + 1)
-    resumed.close()
-    for key, tensor in resumed.module.state_dict().items():
-        assert torch.equal(tensor, expected[key]), f"{key} differs after resuming"
-    state, steps = strategy_state(strategy)
-    assert steps == expected_steps and len(state) == len(expected_state)
-    assert all(torch.equal(a, b) for a, b in zip(state, expected_state)), "state differs"
-    return "ok"
+    """The sparse methods' resume check (checks_lowcomm_sparse.py), with error buffers
+    to carry: muloco's state is DiLoCo's (synced weights, outer momentum, steps done) and
+    its error buffers."""
+    return sparse_resumes_bit_for_bit(comm, "muloco", options, first, then,
+                                      before_saving=errors_fed_back)
 
 
 def every_check(comm):
