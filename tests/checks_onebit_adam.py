@@ -21,6 +21,7 @@ from torch import nn
 import collectives
 from collectives import api, sync
 from collectives.sync.onebit_adam import STATE
+from checks_lowcomm_sparse import same_on_every_rank
 from checks_sync import mlp, shard
 
 B1, B2, EPS, LR = 0.8, 0.9, 1e-8, 0.01
@@ -47,14 +48,6 @@ def recorded(name):
         yield calls
     finally:
         setattr(api, name, original)
-
-
-def same_on_every_rank(tensors):
-    """Every rank holds bitwise the same tensors."""
-    mine = torch.cat([t.detach().reshape(-1).double() for t in tensors])
-    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(everyone, mine)
-    return all(torch.equal(mine, other) for other in everyone)
 
 
 def everyones(tensor):

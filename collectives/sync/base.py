@@ -84,6 +84,13 @@ def element_count(shape: Shape) -> int:
     return shape if isinstance(shape, int) else math.prod(shape)
 
 
+def seeded_generator(seed: int, count: int) -> torch.Generator:
+    """A generator every rank seeds alike from (seed, count), a step or a sync number:
+    seed * 2**32 + count, taken mod 2**64. What it draws (noloco's pairs, sparta's
+    positions) is then agreed on with nothing sent."""
+    return torch.Generator().manual_seed(((seed << 32) + count) % (1 << 64))
+
+
 def state_dtype(param: torch.Tensor) -> torch.dtype:
     """The dtype of what a strategy keeps across steps for `param` (a momentum, an error
     buffer): float32 for a 16-bit parameter, whose precision would lose the small

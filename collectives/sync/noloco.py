@@ -81,21 +81,16 @@ from typing import Any, Dict, Optional, Sequence
 
 import torch
 
-from .base import Shape, StepCost, SyncStrategy, element_count, finite, register
+from .base import (Shape, StepCost, SyncStrategy, element_count, finite, register,
+                   seeded_generator)
 from .options import check_algorithm, need
-
-
-def generator_for(seed: int, count: int) -> torch.Generator:
-    """A generator seeded with (seed, count) alike on every rank: seed * 2**32 + count,
-    taken mod 2**64."""
-    return torch.Generator().manual_seed(((seed << 32) + count) % (1 << 64))
 
 
 def peer_at(sync: int, rank: int, world_size: int, seed: int) -> Optional[int]:
     """The rank `rank` averages with at sync number `sync`: its neighbour in the pairs
     (p0, p1), (p2, p3), ... of a random permutation p of the ranks; None for the last
     rank of an odd world, which sits out."""
-    order = torch.randperm(world_size, generator=generator_for(seed, sync)).tolist()
+    order = torch.randperm(world_size, generator=seeded_generator(seed, sync)).tolist()
     place = order.index(rank)
     partner = place ^ 1  # 0 <-> 1, 2 <-> 3, ...
     return order[partner] if partner < world_size else None

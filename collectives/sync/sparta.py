@@ -75,15 +75,10 @@ from typing import Any, Dict, Optional, Sequence
 import torch
 
 from .. import api
-from .base import Shape, StepCost, SyncStrategy, element_count, finite, register
+from .base import (Shape, StepCost, SyncStrategy, element_count, finite, register,
+                   seeded_generator)
 from .diloco import DiLoCo
 from .options import check_algorithm, need
-
-
-def generator_for(seed: int, step: int) -> torch.Generator:
-    """A generator seeded with (seed, step) alike on every rank: seed * 2**32 + step,
-    taken mod 2**64."""
-    return torch.Generator().manual_seed(((seed << 32) + step) % (1 << 64))
 
 
 def random_subset(total: int, count: int, generator: torch.Generator) -> torch.Tensor:
@@ -131,13 +126,14 @@ class Sparta(SyncStrategy):
         for p in self.params:
             starts.append(starts[-1] + p.numel())
         self.starts = starts  # parameter i holds positions [starts[i], starts[i+1])
+        self.bounds = torch.tensor(starts)  # the same, to search the chosen positions by
         self.count = subset_size(self.fraction, starts[-1])
         if self.diloco is not None:
             self.diloco.setup(model, comm)
 
     def positions(self, step: int) -> torch.Tensor:
         """The flattened positions averaged after `step`: the same on every rank."""
-        return random_subset(self.starts[-1], self.count, generator_for(self.seed, step))
+        return random_subset(self.starts[-1], self.count, seeded_generator(self.seed, step))
 
     def after_step(self, model: torch.nn.Module, step: int) -> None:
         diloco_syncs = self.diloco is not None and step % self.diloco.period == 0
@@ -149,7 +145,7 @@ class Sparta(SyncStrategy):
     @torch.no_grad()
     def _average_subset(self, step: int) -> None:
         chosen = self.positions(step)
-        bounds = torch.searchsorted(chosen, torch.tensor(self.starts)).tolist()
+        bounds = torch.searchsorted(chosen, self.bounds).tolist()  # chosen's run per param
         pieces = []  # (parameter, flat view or copy, its positions, its run in `values`)
         for index, p in enumerate(self.params):
             low, high = bounds[index], bounds[index + 1]
