@@ -136,7 +136,8 @@ def slurm_case(comm):
             "launch": detect_launch().__dict__,  # as Slurm said
             "auto_16M": all_reduce_choice(16 << 20, comm.world_size, comm.name, comm.topology),
             "transport": comm.name,
-            "port": slurm_rendezvous(os.environ)[1]}
+            "port": slurm_rendezvous(os.environ)[1],
+            "netmod": os.environ.get("MPIR_CVAR_CH4_NETMOD")}  # MPICH's, where it was set
 
 
 def meet_other_jobs(folder: str, jobs: int, seconds: float = 120) -> None:

@@ -7,6 +7,7 @@ import os
 import pytest
 
 from collectives.launch import LaunchError, add_local_rank_argument, detect_launch
+from collectives.launch.lazy_mpi import srun_netmod_settings
 from collectives.launch.rendezvous import (attempt_prefix, launcher_serves_store,
                                            rendezvous_address, slurm_rendezvous)
 from launchers import ROOT, run
@@ -61,6 +62,25 @@ def test_detects_each_launcher(env, expected):
 ])
 def test_which_launchers_end_every_rank_when_one_dies(env, ends_all):
     assert detect_launch(env).ends_every_rank_when_one_dies is ends_all
+
+
+SRUN_PMI2 = {"PMI_FD": "11", "PMI_RANK": "0", "SLURM_MPI_TYPE": "pmi2", "SLURM_STEP_ID": "0",
+             "SLURM_STEP_NUM_NODES": "2"}
+
+
+@pytest.mark.parametrize("env, settings", [
+    (SRUN_PMI2, {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}),
+    (dict(SRUN_PMI2, FI_PROVIDER="verbs;ofi_rxm"), {"MPIR_CVAR_CH4_NETMOD": "ofi"}),
+    (dict(SRUN_PMI2, MPIR_CVAR_CH4_NETMOD="ucx"), {}),     # the user's choice stands
+    (dict(SRUN_PMI2, MPICH_CH4_NETMOD="ucx"), {}),
+    (dict(SRUN_PMI2, SLURM_STEP_NUM_NODES="1"), {}),      # one node: no such exchange
+    (dict(SRUN_PMI2, HYDI_CONTROL_FD="7"), {}),           # mpirun's proxies read lines whole
+    (dict(SRUN_PMI2, SLURM_MPI_TYPE="none"), {}),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "5"}, {}),   # mpirun, no Slurm
+    ({}, {}),
+])
+def test_mpich_leaves_ucx_only_under_sruns_pmi_across_nodes(env, settings):
+    assert srun_netmod_settings(env) == settings
 
 
 AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "10.0.0.1",

@@ -109,6 +109,8 @@ def test_srun_starts_the_ranks_where_slurm_places_them(slurm, backend, tmp_path)
     assert {r["launch"]["launcher"] for r in results} == {
         "slurm" if backend == "gloo" else "mpich"}
     assert {r["transport"] for r in results} == {f"{backend}+shm"}
+    # MPICH over libfabric, whose address fits one line of Slurm's PMI-1 server (lazy_mpi)
+    assert {r["netmod"] for r in results} == {"ofi" if backend == "mpi" else None}
     assert "socket.cpp" not in done.stderr, "c10d's warnings: a name did not resolve"
 
 

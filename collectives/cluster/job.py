@@ -53,11 +53,9 @@ DRAIN_SECONDS = 5.0  # once the job has ended, how long its output may take to b
 def _cluster_env(network: Network) -> Dict[str, str]:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
-    # The emulated hosts have TCP over their veth and nothing else. MPICH's UCX would
-    # also offer every other transport it can load here in each rank's address, and
-    # under srun --mpi=pmi2 that address passes through Slurm's PMI-2 key-value store,
-    # which garbles values that long (seen: "mpi/pmi2: value not properly terminated",
-    # then UCX's "addr version" assertion). Shared memory, TCP and self only.
+    # The emulated hosts have TCP over their veth and nothing else: MPICH's UCX is told
+    # to use shared memory, TCP and self only. (Under srun --mpi=pmi2 across hosts
+    # MPICH runs over libfabric instead: launch/lazy_mpi.py says why.)
     env.setdefault("UCX_TLS", "sm,tcp,self")
     env["COLLECTIVES_CLUSTER_IFACE"] = IFACE
     env["GLOO_SOCKET_IFNAME"] = IFACE
