@@ -85,7 +85,7 @@ def draw_lowcomm(data: str, picture: str) -> None:
     compare.plot(rows, picture, compare.against_baseline(rows, "ddp")["final"])
 
 
-LOWCOMM_RUNS = ("lowcomm_adamw", "lowcomm_sign", "lowcomm_muon")
+LOWCOMM_RUNS = ("lowcomm_adamw", "lowcomm_sign", "lowcomm_muon", "lowcomm_muon_none")
 
 
 def draw_timeline(data: str, picture_path: str) -> None:

@@ -152,6 +152,7 @@ def noloco_state_stays_finite(comm):
     peer = noloco_peer_by_hand(2, comm.rank, comm.world_size, SEED)
     if 1 in (comm.rank, peer):
         assert torch.equal(strategy.slow, slow) and torch.equal(strategy.momentum, momentum)
+    assert strategy.dropped_syncs == (1 in (comm.rank, peer))  # said where it was dropped
     assert sync.finite([strategy.slow, strategy.momentum, flat(model)])
     assert torch.equal(flat(model), strategy.slow)
     return "ok"
@@ -214,6 +215,7 @@ def sparta_keeps_an_overflow_to_itself(comm):
     before = flat(model).clone()
     strategy.after_step(model, 1)
     assert torch.equal(flat(model), before)
+    assert strategy.dropped_syncs == 1
     return "ok"
 
 

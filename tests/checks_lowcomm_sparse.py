@@ -10,6 +10,7 @@ out), what every rank ends with, and the bytes the transport counted against cos
 import contextlib
 import io
 import math
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -229,7 +230,12 @@ def sparseloco_drops_a_non_finite_sync(comm):
     move(1)
     before = ([t.clone() for t in strategy.synced], [t.clone() for t in strategy.errors])
     for step, poison in ((2, float("nan")), (3, float("inf"))):
-        move(step, poison)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            move(step, poison)
+        said = [str(w.message) for w in caught if w.category is RuntimeWarning]
+        assert strategy.dropped_syncs == step - 1, step  # counted on every rank
+        assert len(said) == (comm.rank == 0) and all("dropped" in m for m in said), said
         for p, s, kept in zip(params, strategy.synced, before[0]):
             assert torch.equal(p.detach(), kept) and torch.equal(s, kept), f"step {step}"
         for e, kept in zip(strategy.errors, before[1]):

@@ -190,6 +190,7 @@ def drops_a_non_finite_sync(comm, compression):
     move(4)
     assert sync.finite(params) and not torch.equal(params[0].detach(), kept[0][0])
     assert not all(torch.equal(e, b) for e, b in zip(strategy.errors, kept[1]))
+    assert strategy.dropped_syncs == 2
     return "ok"
 
 

@@ -86,13 +86,21 @@ STREAMING = ["--sync-option", "period=8", "--sync-option", "fragments=2",
 # ...; the save after step 6 is past the warm-up (a resumed run that forgot it would
 # average gradients again), and the replicas differ at the end (step 12).
 WARMED_UP = ["--sync-option", "warmup_steps=5", "--sync-option", "period=4"]
+# The low-communication methods: syncs after steps 4, 8, 12, so the save after step 6
+# holds replicas, error buffers and momenta that differ by rank; DeMo every step; 1-bit
+# Adam past its warm-up (3 steps) at the save, with the plain SGD it hands its update to.
+PERIOD_4 = ["--sync-option", "period=4"]
+ONEBIT = ["--sync-option", "freeze_step=3", "--optimizer", "sgd", "--momentum", "0",
+          "--clip-grad", "0"]
 RESUMABLE = {"allreduce": [], "fp16": [], "bf16": [], "topk": [], "powersgd": [],
              "delayed": ["--sync-option", "warmup_steps=1"],  # synchronous, then late
              "local-sgd": LOCAL_SGD, "gossip": [], "ddp": [],
              "ddp-collectives": [], "ddp-fp16": [], "ddp-bf16": [], "ddp-powersgd": [],
              "ddp-localsgd": LOCAL_SGD, "hier-local-sgd": HIER, "ddp-hier-localsgd": HIER,
              "diloco": STREAMING, "torchft-diloco": STREAMING, "diloco warm-up": WARMED_UP,
-             "topk --amp fp16": ["--amp", "fp16"]}  # residuals and a changing loss scale
+             "topk --amp fp16": ["--amp", "fp16"],  # residuals and a changing loss scale
+             **{"sparseloco": PERIOD_4, "demo": [], "muloco": PERIOD_4, "noloco": PERIOD_4,
+                "sparta": ["--sync-option", "diloco_period=4"], "onebit-adam": ONEBIT}}
 
 
 def assert_same(straight, resumed, where="checkpoint"):

@@ -47,8 +47,10 @@ has seen it. So a strategy that keeps gradients from one step to the next (error
 feedback, a warm start) must take a step into that state only when the step's
 *reduced* values are all finite (`finite` below), or one inf would stay in its state
 and make every later step non-finite. The reduced values are the same on every rank,
-so every rank makes the same decision without asking the others. A strategy that
-applies a gradient at a later step also needs the loss scale it carries
+so every rank makes the same decision without asking the others. A synchronization
+that averages weights rather than gradients (DiLoCo's outer step and its kin) has no
+loop to skip it: the strategy drops it itself and says so (`drop_sync`: a warning on
+rank 0, and a count). A strategy that applies a gradient at a later step also needs the loss scale it carries
 (`gradient_scale`): fp16 AMP changes the scale between steps. So state kept across
 steps is stored unscaled (divided by the scale of the step that made it) and multiplied
 by the current step's scale when it is used.
@@ -67,6 +69,7 @@ transport's counters say what it sent. Register a new one with `@register("name"
 from __future__ import annotations
 
 import math
+import warnings
 from typing import (Any, Callable, Dict, Iterable, NamedTuple, Optional, Sequence, Tuple, Type,
                     Union)
 
@@ -141,6 +144,20 @@ class SyncStrategy:
     # fp16 AMP: the torch.amp.GradScaler whose loss scale multiplies the gradients the
     # strategy sees (set by the training loop; None when gradients arrive unscaled).
     grad_scaler = None
+
+    # synchronizations dropped for a non-finite average (drop_sync), since setup
+    dropped_syncs = 0
+
+    def drop_sync(self, what: str) -> None:
+        """Say that a synchronization was dropped, on every rank alike, because its
+        average is not finite (an overflow on some rank), and count it. Rank 0 warns
+        each time: a run that keeps dropping them trains replicas that no longer meet,
+        which its loss alone would not say."""
+        self.dropped_syncs += 1
+        if getattr(self, "comm", None) is None or self.comm.rank == 0:
+            warnings.warn(f"{self.name}: {what} is not finite (an overflow on some rank); "
+                          f"every rank dropped it ({self.dropped_syncs} dropped so far)",
+                          RuntimeWarning, stacklevel=3)
 
     def gradient_scale(self) -> float:
         """The factor the gradients of this step carry: the GradScaler's scale, else 1.

@@ -216,6 +216,7 @@ class DiLoCo(SyncStrategy):
         index, pseudo = self._wait_in_flight()
         self.in_flight = None
         if not finite([pseudo]):
+            self.drop_sync(f"the average of fragment {index}'s outer synchronization")
             for synced, p in zip(self.synced[index], self.fragments[index]):
                 p.copy_(synced)
             return

@@ -142,6 +142,8 @@ class NoLoCo(SyncStrategy):
             self.momentum.mul_(self.alpha).sub_(mean_outer_gradient, alpha=self.beta)
             self.momentum.sub_(self.slow - mean_slow, alpha=self.gamma)
             self.slow.add_(self.momentum)
+        else:
+            self.drop_sync(f"outer step {sync}'s average with its peer")
         self._load_slow_weights()
 
     def _load_slow_weights(self) -> None:

@@ -312,6 +312,8 @@ class SparseLoCo(SyncStrategy):
                                                               self.errors, candidates, sent):
                 synced.add_(average, alpha=-self.outer_lr)
                 error.copy_(candidate - own)
+        else:
+            self.drop_sync("the decoded average of an outer synchronization")
         for p, synced in zip(self.params, self.synced):
             p.copy_(synced)
 

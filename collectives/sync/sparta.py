@@ -162,6 +162,8 @@ class Sparta(SyncStrategy):
                 flat.index_copy_(0, local, values[low:high].to(flat.dtype))
                 if not p.is_contiguous():
                     p.copy_(flat.view_as(p))
+        else:
+            self.drop_sync("the average of this step's shared subset")
 
     def settle(self) -> None:
         if self.diloco is not None:
