@@ -8,6 +8,7 @@ The "inner steps" between syncs are stand-ins: each rank moves its replica by no
 its own (`drift`), so that the replicas differ and every rule has something to do.
 """
 import io
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -148,8 +149,16 @@ def noloco_state_stays_finite(comm):
     if comm.rank == 1:
         with torch.no_grad():
             next(model.parameters())[0, 0] = float("inf")
-    strategy.after_step(model, 2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy.after_step(model, 2)
+    said = [str(w.message) for w in caught if w.category is RuntimeWarning]
     peer = noloco_peer_by_hand(2, comm.rank, comm.world_size, SEED)
+    pair = sorted({comm.rank, peer} - {None})
+    # said once, by the lower rank of the pair that dropped it, naming both
+    assert len(said) == (1 in pair and comm.rank == pair[0]), said
+    who = f"ranks {pair[0]} and {pair[1]}" if len(pair) == 2 else f"rank {pair[0]}"
+    assert all(f"{who} dropped it" in m for m in said), said
     if 1 in (comm.rank, peer):
         assert torch.equal(strategy.slow, slow) and torch.equal(strategy.momentum, momentum)
     assert strategy.dropped_syncs == (1 in (comm.rank, peer))  # said where it was dropped

@@ -76,11 +76,15 @@ SRUN_PMI2 = {"PMI_FD": "11", "PMI_RANK": "0", "SLURM_MPI_TYPE": "pmi2", "SLURM_S
     (dict(SRUN_PMI2, SLURM_STEP_NUM_NODES="1"), {}),      # one node: no such exchange
     (dict(SRUN_PMI2, HYDI_CONTROL_FD="7"), {}),           # mpirun's proxies read lines whole
     (dict(SRUN_PMI2, SLURM_MPI_TYPE="none"), {}),
+    (dict(SRUN_PMI2, MPIR_PARAM_CH4_NETMOD="ucx"), {}),
+    ({**{k: v for k, v in SRUN_PMI2.items() if k != "SLURM_STEP_NUM_NODES"},
+      "SLURM_NNODES": "3"}, {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}),
     ({"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "5"}, {}),   # mpirun, no Slurm
     ({}, {}),
 ])
 def test_mpich_leaves_ucx_only_under_sruns_pmi_across_nodes(env, settings):
-    assert srun_netmod_settings(env) == settings
+    assert srun_netmod_settings(env, mpich_wheel=True) == settings
+    assert srun_netmod_settings(env, mpich_wheel=False) == {}  # another MPI: its own choice
 
 
 AGENT = {"TORCHELASTIC_USE_AGENT_STORE": "True", "MASTER_ADDR": "10.0.0.1",

@@ -100,17 +100,25 @@ def assert_placed_by_slurm(results, tasks_per_node):
 @pytest.mark.parametrize("backend", ["gloo", "mpi"])
 def test_srun_starts_the_ranks_where_slurm_places_them(slurm, backend, tmp_path):
     srun = ["srun", "-N", "2", "--ntasks-per-node", "2"]
+    env = {}
     if backend == "mpi":
         srun.append("--mpi=pmi2")  # MPICH meets through Slurm's PMI-2
-    done = on_login_node(slurm, *srun, *checks("slurm", backend), str(tmp_path))
+        env["MPIR_CVAR_DEBUG_SUMMARY"] = "1"  # MPICH says which network module it runs
+    done = on_login_node(slurm, *srun, *checks("slurm", backend), str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     results = read_ranks(tmp_path, 4)
     assert_placed_by_slurm(results, 2)
     assert {r["launch"]["launcher"] for r in results} == {
         "slurm" if backend == "gloo" else "mpich"}
     assert {r["transport"] for r in results} == {f"{backend}+shm"}
-    # MPICH over libfabric, whose address fits one line of Slurm's PMI-1 server (lazy_mpi)
+    # MPICH over libfabric's tcp, whose address fits one line of Slurm's PMI-1 server
+    # (launch/lazy_mpi.py): asked for, and what MPICH itself reports
     assert {r["netmod"] for r in results} == {"ofi" if backend == "mpi" else None}
+    if backend == "mpi":
+        summary = done.stdout + done.stderr
+        assert "OFI dynamic settings" in summary and "provider: tcp" in summary, summary[-2000:]
+        assert "UCX netmod" not in summary
+        assert "collectives: srun --mpi=pmi2 across nodes: MPICH over libfabric" in summary, summary[:3000]
     assert "socket.cpp" not in done.stderr, "c10d's warnings: a name did not resolve"
 
 

@@ -87,8 +87,10 @@ STREAMING = ["--sync-option", "period=8", "--sync-option", "fragments=2",
 # average gradients again), and the replicas differ at the end (step 12).
 WARMED_UP = ["--sync-option", "warmup_steps=5", "--sync-option", "period=4"]
 # The low-communication methods: syncs after steps 4, 8, 12, so the save after step 6
-# holds replicas, error buffers and momenta that differ by rank; DeMo every step; 1-bit
-# Adam past its warm-up (3 steps) at the save, with the plain SGD it hands its update to.
+# holds replicas and error buffers that differ by rank (NoLoCo's pair is the whole world
+# of 2: its slow weights and momentum are alike; its pairing on 3 ranks is resumed in
+# test_lowcomm_pairs); DeMo every step; 1-bit Adam past its warm-up (3 steps) at the
+# save, with the plain SGD it hands its update to.
 PERIOD_4 = ["--sync-option", "period=4"]
 ONEBIT = ["--sync-option", "freeze_step=3", "--optimizer", "sgd", "--momentum", "0",
           "--clip-grad", "0"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 
 from .. import world
+from ..launch.lazy_mpi import mpi as _mpi
 from ..world import get_comm
 from .optimizer import (Compression, DistributedOptimizer, broadcast_object,
                         broadcast_optimizer_state, broadcast_parameters, allgather_object)
@@ -59,7 +60,7 @@ def init(comm=None, process_sets=None, *, backend: str = "auto", timeout=None) -
         "dynamic" or None: none now (hvd.add_process_set works either way here).
     """
     if comm is not None:
-        from mpi4py import MPI
+        MPI = _mpi()  # the script's: it has started MPI to pass its COMM_WORLD
         if comm != MPI.COMM_WORLD:
             raise NotImplementedError("hvd.init(comm=...) takes only MPI.COMM_WORLD")
         backend = "mpi"
@@ -167,8 +168,7 @@ def mpi_threads_supported() -> bool:
     """Whether MPI allows calls from several threads (the engine thread makes them)."""
     if get_comm().backend != "mpi":
         return False
-    from mpi4py import MPI
-    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
+    return _mpi().Query_thread() == _mpi().THREAD_MULTIPLE
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

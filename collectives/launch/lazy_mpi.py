@@ -16,7 +16,9 @@ reliably, so MPICH is pointed at its libfabric one there (srun_netmod_settings, 
 """
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import sys
 import warnings
 from typing import Dict, Mapping
 
@@ -26,13 +28,25 @@ _FOREIGN_MPIRUN_WARNING = "suspicious MPI execution environment"
 
 
 # MPICH's names for its choice of network module, and libfabric's for its provider.
-_NETMOD_VARIABLES = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD")
+_NETMOD_VARIABLES = ("MPIR_CVAR_CH4_NETMOD", "MPICH_CH4_NETMOD", "MPIR_PARAM_CH4_NETMOD")
 _PROVIDER_VARIABLE = "FI_PROVIDER"
 
 
-def srun_netmod_settings(env: Mapping[str, str]) -> Dict[str, str]:
+def mpich_wheel_installed() -> bool:
+    """Whether pip's `mpich` (the `mpi` extra's) is installed: then it is the MPI mpi4py
+    loads (the interpreter's own lib/ is searched first), built with both of MPICH's
+    network modules, UCX (its default) and libfabric ("ofi")."""
+    try:
+        importlib.metadata.version("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def srun_netmod_settings(env: Mapping[str, str], mpich_wheel: bool) -> Dict[str, str]:
     """What MPI's environment needs before MPI starts in a rank of `srun --mpi=pmi2`
-    across nodes: {} anywhere else, or where the user chose a network module.
+    across nodes, with pip's MPICH (`mpich_wheel`): {} anywhere else, or where the user
+    chose a network module.
 
     Why. At start-up each node's first rank of MPICH's UCX module publishes its
     address through the process manager's key-value store, always 4096 bytes (MPICH's
@@ -50,7 +64,13 @@ def srun_netmod_settings(env: Mapping[str, str]) -> Dict[str, str]:
 
     Not touched: jobs mpirun started (Hydra's proxies read whole lines; they mark
     their ranks with HYDI_CONTROL_FD), a step on one node (MPICH skips that exchange
-    there), and any choice the user made of either variable."""
+    there), any other MPI (Intel MPI, a cluster's own MPICH: their choice of fabric is
+    theirs), and any choice the user made of either variable: MPIR_CVAR_CH4_NETMOD=ucx
+    keeps UCX, FI_PROVIDER another provider (an InfiniBand cluster's "verbs;ofi_rxm").
+    A script that starts MPI itself (`from mpi4py import MPI`) before collectives does
+    must export these itself."""
+    if not mpich_wheel:
+        return {}
     under_srun_pmi = "PMI_FD" in env and "HYDI_CONTROL_FD" not in env and (
         env.get("SLURM_MPI_TYPE", "").startswith("pmi2"))
     nodes = env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1"))
@@ -68,7 +88,12 @@ def mpi():
     """The mpi4py MPI module, imported on first use (importing it initialises MPI)."""
     global _MPI
     if _MPI is None:
-        os.environ.update(srun_netmod_settings(os.environ))
+        settings = srun_netmod_settings(os.environ, mpich_wheel_installed())
+        if settings and os.environ.get("SLURM_PROCID") == "0":  # srun's first task
+            print("collectives: srun --mpi=pmi2 across nodes: MPICH over libfabric ("
+                  + " ".join(f"{k}={v}" for k, v in settings.items()) + "; its UCX "
+                  "start-up can hang under Slurm's PMI-2, see docs/slurm.md)", file=sys.stderr)
+        os.environ.update(settings)
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_FOREIGN_MPIRUN_WARNING,

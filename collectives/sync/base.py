@@ -145,19 +145,25 @@ class SyncStrategy:
     # strategy sees (set by the training loop; None when gradients arrive unscaled).
     grad_scaler = None
 
-    # synchronizations dropped for a non-finite average (drop_sync), since setup
+    # synchronizations this rank dropped for a non-finite average (drop_sync), in this
+    # process (a count for the warnings, not kept in a checkpoint)
     dropped_syncs = 0
 
-    def drop_sync(self, what: str) -> None:
-        """Say that a synchronization was dropped, on every rank alike, because its
-        average is not finite (an overflow on some rank), and count it. Rank 0 warns
-        each time: a run that keeps dropping them trains replicas that no longer meet,
-        which its loss alone would not say."""
+    def drop_sync(self, what: str, ranks: Optional[Sequence[int]] = None) -> None:
+        """Say that a synchronization was dropped because its average is not finite (an
+        overflow on some rank), and count it. `ranks`: those that dropped it, alike (a
+        pair's two); None: every rank. The lowest of them warns, each time: a run that
+        keeps dropping them trains replicas that no longer meet, which its loss alone
+        would not say."""
         self.dropped_syncs += 1
-        if getattr(self, "comm", None) is None or self.comm.rank == 0:
-            warnings.warn(f"{self.name}: {what} is not finite (an overflow on some rank); "
-                          f"every rank dropped it ({self.dropped_syncs} dropped so far)",
-                          RuntimeWarning, stacklevel=3)
+        rank = getattr(getattr(self, "comm", None), "rank", 0)
+        if rank != (0 if ranks is None else min(ranks)):
+            return
+        who = ("every rank" if ranks is None else
+               f"rank{'s' * (len(ranks) > 1)} " + " and ".join(map(str, sorted(ranks))))
+        warnings.warn(f"{self.name}: {what} is not finite (an overflow on some rank); {who} "
+                      f"dropped it ({self.dropped_syncs} dropped so far)", RuntimeWarning,
+                      stacklevel=2)
 
     def gradient_scale(self) -> float:
         """The factor the gradients of this step carry: the GradScaler's scale, else 1.

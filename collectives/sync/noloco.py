@@ -143,7 +143,8 @@ class NoLoCo(SyncStrategy):
             self.momentum.sub_(self.slow - mean_slow, alpha=self.gamma)
             self.slow.add_(self.momentum)
         else:
-            self.drop_sync(f"outer step {sync}'s average with its peer")
+            pair = [self.comm.rank] if peer is None else [self.comm.rank, peer]
+            self.drop_sync(f"outer step {sync}'s average", ranks=pair)
         self._load_slow_weights()
 
     def _load_slow_weights(self) -> None:
