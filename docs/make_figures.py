@@ -75,7 +75,8 @@ def draw_compare_against(data: str, picture: str, baseline: str, reruns=()) -> N
 
 def draw_lowcomm(data: str, picture: str) -> None:
     """DDP's and DiLoCo's jobs of the language model's study (`data`), and the newest
-    methods' jobs, run beside them in three runs (one per optimizer): one picture."""
+    methods' jobs, run beside them (LOWCOMM_RUNS: one run per optimizer, and MuLoCo
+    uncompressed on its own): one picture."""
     from trainer import compare
     wanted = ("ddp", "diloco:period=30")
     jobs = [job for job in read_rows(data) if job["sync"] in wanted]

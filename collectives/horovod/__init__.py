@@ -168,7 +168,8 @@ def mpi_threads_supported() -> bool:
     """Whether MPI allows calls from several threads (the engine thread makes them)."""
     if get_comm().backend != "mpi":
         return False
-    return _mpi().Query_thread() == _mpi().THREAD_MULTIPLE
+    MPI = _mpi()
+    return MPI.Query_thread() == MPI.THREAD_MULTIPLE
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:

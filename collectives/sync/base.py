@@ -49,11 +49,12 @@ feedback, a warm start) must take a step into that state only when the step's
 and make every later step non-finite. The reduced values are the same on every rank,
 so every rank makes the same decision without asking the others. A synchronization
 that averages weights rather than gradients (DiLoCo's outer step and its kin) has no
-loop to skip it: the strategy drops it itself and says so (`drop_sync`: a warning on
-rank 0, and a count). A strategy that applies a gradient at a later step also needs the loss scale it carries
-(`gradient_scale`): fp16 AMP changes the scale between steps. So state kept across
-steps is stored unscaled (divided by the scale of the step that made it) and multiplied
-by the current step's scale when it is used.
+loop to skip it: the strategy drops it itself and says so (`drop_sync`: a warning from
+the lowest rank that dropped it, and a count). A strategy that applies a gradient at a
+later step also needs the loss scale it carries (`gradient_scale`): fp16 AMP changes
+the scale between steps. So state kept across steps is stored unscaled (divided by the
+scale of the step that made it) and multiplied by the current step's scale when it is
+used.
 
 State across steps is also what a checkpoint must keep. Each rank saves its own
 strategy's state_dict() (the ranks' states differ: top-k residuals, a local-SGD
