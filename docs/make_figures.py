@@ -73,20 +73,33 @@ def draw_compare_against(data: str, picture: str, baseline: str, reruns=()) -> N
     compare.plot(rows, picture, final)
 
 
-def draw_lowcomm(data: str, picture: str) -> None:
-    """DDP's and DiLoCo's jobs of the language model's study (`data`), and the newest
-    methods' jobs, run beside them (LOWCOMM_RUNS: one run per optimizer, and MuLoCo
-    uncompressed on its own): one picture."""
+def draw_with_runs(data: str, picture: str, runs, wanted=None) -> None:
+    """The jobs of `data` (those whose sync is in `wanted`, if given) and of the runs
+    made beside it on the same cluster (files in docs/data/study_lm_20261129/, without
+    .jsonl): one picture, the dotted line at DDP's final score."""
     from trainer import compare
-    wanted = ("ddp", "diloco:period=30")
-    jobs = [job for job in read_rows(data) if job["sync"] in wanted]
-    for run in LOWCOMM_RUNS:
+    jobs = [job for job in read_rows(data) if wanted is None or job["sync"] in wanted]
+    for run in runs:
         jobs += read_rows(os.path.join(DATA, "study_lm_20261129", run + ".jsonl"))
     rows = [compare.summarize(job, 0.0) for job in jobs]
     compare.plot(rows, picture, compare.against_baseline(rows, "ddp")["final"])
 
 
+def draw_lowcomm(data: str, picture: str) -> None:
+    """DDP's and DiLoCo's jobs of the language model's study (`data`), and the newest
+    methods' jobs, run beside them (LOWCOMM_RUNS: one run per optimizer, and MuLoCo
+    uncompressed on its own): one picture."""
+    draw_with_runs(data, picture, LOWCOMM_RUNS, wanted=("ddp", "diloco:period=30"))
+
+
+def draw_time_to_ddp(data: str, picture: str) -> None:
+    """DDP's 400 steps (`data`), and DiLoCo given up to 1000 steps, stopped at DDP's
+    final score (TIME_TO_DDP_RUNS): how soon each gets there."""
+    draw_with_runs(data, picture, TIME_TO_DDP_RUNS)
+
+
 LOWCOMM_RUNS = ("lowcomm_adamw", "lowcomm_sign", "lowcomm_muon", "lowcomm_muon_none")
+TIME_TO_DDP_RUNS = ("time_to_ddp_diloco1000", "time_to_ddp_diloco1000_m05")
 
 
 def draw_timeline(data: str, picture_path: str) -> None:
@@ -157,6 +170,13 @@ FIGURES_OF_THE_DOCS = [
            "python -m trainer.compare --hosts 4 --bandwidth 50mbit --model gpt-tiny "
            "--steps 400 --eval-every 50 --out docs/data/study_lm_20261129/RUN ..., RUN one of "
            f"{', '.join(LOWCOMM_RUNS)} (their commands: docs/compare.md)"),
+    Figure("compare_lm_time_to_ddp.png", "study_lm_20261129/time_to_ddp_ddp400.jsonl",
+           draw_time_to_ddp,
+           "python -m trainer.compare --hosts 4 --bandwidth 50mbit --model gpt-tiny "
+           "--steps 400 --eval-every 50 --out docs/data/study_lm_20261129/time_to_ddp_ddp400 "
+           "--sync ddp, then, on the same cluster, --steps 1000 --stop-at 2.747 --target "
+           "2.747 --out docs/data/study_lm_20261129/RUN ..., RUN one of "
+           f"{', '.join(TIME_TO_DDP_RUNS)} (their commands: docs/compare.md)"),
     Figure("timeline.png", "timeline_trace.json", draw_timeline,
            f"{CLUSTER_100MBIT} python -m trainer.bench --sync ddp,allreduce,powersgd "
            "--steps 3 --rounds 1 --warmup 2 --trace run && "
