@@ -101,8 +101,8 @@ RESUMABLE = {"allreduce": [], "fp16": [], "bf16": [], "topk": [], "powersgd": []
              "ddp-localsgd": LOCAL_SGD, "hier-local-sgd": HIER, "ddp-hier-localsgd": HIER,
              "diloco": STREAMING, "torchft-diloco": STREAMING, "diloco warm-up": WARMED_UP,
              "topk --amp fp16": ["--amp", "fp16"],  # residuals and a changing loss scale
-             **{"sparseloco": PERIOD_4, "demo": [], "muloco": PERIOD_4, "noloco": PERIOD_4,
-                "sparta": ["--sync-option", "diloco_period=4"], "onebit-adam": ONEBIT}}
+             "sparseloco": PERIOD_4, "demo": [], "muloco": PERIOD_4, "noloco": PERIOD_4,
+             "sparta": ["--sync-option", "diloco_period=4"], "onebit-adam": ONEBIT}
 
 
 def assert_same(straight, resumed, where="checkpoint"):
